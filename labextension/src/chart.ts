@@ -1,0 +1,146 @@
+/**
+ * The before/after bar chart: baseline vs each variant's median time, and peak
+ * memory for the variants where it changed. Built as SVG through DOM APIs.
+ */
+
+import { s } from './dom';
+import { formatBytes, formatSeconds } from './format';
+import { IReport, variantLabel } from './report';
+
+type BarKind = 'baseline' | 'better' | 'worse' | 'same';
+
+interface IBar {
+  label: string;
+  value: number;
+  kind: BarKind;
+}
+
+const WIDTH = 640;
+const LABEL_WIDTH = 190;
+const VALUE_WIDTH = 80;
+const BAR_HEIGHT = 16;
+const ROW_HEIGHT = 22;
+const TITLE_HEIGHT = 24;
+const GROUP_GAP = 12;
+const MAX_LABEL_CHARS = 28;
+
+function compare(value: number, baseline: number): BarKind {
+  if (value < baseline) {
+    return 'better';
+  }
+  return value > baseline ? 'worse' : 'same';
+}
+
+function shorten(label: string): string {
+  return label.length > MAX_LABEL_CHARS ? `${label.slice(0, MAX_LABEL_CHARS - 1)}…` : label;
+}
+
+function timeBars(report: IReport): IBar[] {
+  const baseline = report.baseline.median_s;
+  if (baseline === null) {
+    return [];
+  }
+  const bars: IBar[] = [{ label: 'baseline', value: baseline, kind: 'baseline' }];
+  for (const variant of report.variants) {
+    if (variant.error === null && variant.median_s !== null) {
+      bars.push({
+        label: variantLabel(report, variant),
+        value: variant.median_s,
+        kind: compare(variant.median_s, baseline)
+      });
+    }
+  }
+  return bars;
+}
+
+function memoryBars(report: IReport): IBar[] {
+  const baseline = report.baseline.peak_memory_bytes;
+  if (baseline === null) {
+    return [];
+  }
+  const changed = report.variants.filter(
+    v => v.error === null && v.peak_memory_bytes !== null && v.peak_memory_bytes !== baseline
+  );
+  if (changed.length === 0) {
+    return [];
+  }
+  return [
+    { label: 'baseline', value: baseline, kind: 'baseline' },
+    ...changed.map(v => ({
+      label: variantLabel(report, v),
+      value: v.peak_memory_bytes as number,
+      kind: compare(v.peak_memory_bytes as number, baseline)
+    }))
+  ];
+}
+
+function group(
+  title: string,
+  bars: IBar[],
+  format: (value: number) => string,
+  top: number
+): { node: SVGGElement; height: number } {
+  const node = s('g', { className: 'ttm-chart-group', attrs: { transform: `translate(0, ${top})` } });
+  node.appendChild(
+    s('text', { className: 'ttm-chart-title', text: title, attrs: { x: '0', y: '14' } })
+  );
+  const scale = Math.max(...bars.map(b => b.value)) || 1;
+  const barSpace = WIDTH - LABEL_WIDTH - VALUE_WIDTH;
+  bars.forEach((bar, index) => {
+    const y = TITLE_HEIGHT + index * ROW_HEIGHT;
+    const width = Math.max(1, (bar.value / scale) * barSpace);
+    const tooltip = `${bar.label}: ${format(bar.value)}`;
+    node.appendChild(
+      s(
+        'g',
+        { className: `ttm-chart-row ttm-bar-${bar.kind}`, title: tooltip },
+        s('text', {
+          className: 'ttm-chart-label',
+          text: shorten(bar.label),
+          attrs: { x: String(LABEL_WIDTH - 8), y: String(y + BAR_HEIGHT - 4), 'text-anchor': 'end' }
+        }),
+        s('rect', {
+          className: 'ttm-chart-bar',
+          attrs: {
+            x: String(LABEL_WIDTH),
+            y: String(y),
+            width: width.toFixed(1),
+            height: String(BAR_HEIGHT),
+            rx: '2'
+          }
+        }),
+        s('text', {
+          className: 'ttm-chart-value',
+          text: format(bar.value),
+          attrs: { x: (LABEL_WIDTH + width + 6).toFixed(1), y: String(y + BAR_HEIGHT - 4) }
+        })
+      )
+    );
+  });
+  return { node, height: TITLE_HEIGHT + bars.length * ROW_HEIGHT };
+}
+
+/** The chart, or null when there is no baseline time to compare against. */
+export function renderChart(report: IReport): SVGSVGElement | null {
+  const time = timeBars(report);
+  if (time.length === 0) {
+    return null;
+  }
+  const svg = s('svg', {
+    className: 'ttm-chart',
+    attrs: { role: 'img', 'aria-label': 'Before/after: median time per run and peak memory' }
+  });
+  const timeGroup = group('Median time per run (shorter is faster)', time, formatSeconds, 0);
+  svg.appendChild(timeGroup.node);
+  let height = timeGroup.height;
+  const memory = memoryBars(report);
+  if (memory.length > 0) {
+    const memoryGroup = group('Peak memory (where it changed)', memory, formatBytes, height + GROUP_GAP);
+    svg.appendChild(memoryGroup.node);
+    height += GROUP_GAP + memoryGroup.height;
+  }
+  svg.setAttribute('viewBox', `0 0 ${WIDTH} ${height}`);
+  svg.setAttribute('width', String(WIDTH));
+  svg.setAttribute('height', String(height));
+  return svg;
+}
