@@ -1,0 +1,64 @@
+"""`perfcheck(cell, namespace, **options)`: the engine without IPython."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .options import Options
+from .report import Report
+from .timing import Progress
+
+
+def perfcheck(
+    cell: str,
+    namespace: dict[str, Any] | None = None,
+    *,
+    checks: str | list[str] | None = None,
+    skip: str | list[str] | None = None,
+    budget: float | None = None,
+    quick: bool = False,
+    apply: str | list[str] | None = None,
+    json: str | Path | None = None,
+    no_restore: bool = False,
+    device: str | None = None,
+    memory: bool = False,
+    progress: Progress | None = None,
+) -> Report:
+    """Run `cell` once, find what the tuning guide would change, measure each fix.
+
+    `namespace=None` uses the running IPython's user namespace (so `perfcheck(code)` in a
+    notebook sees your model). Display options (`quiet`, `no_widget`) belong to the magic.
+    """
+    from .session import Session
+    from .workload import Workload
+
+    if namespace is None:
+        namespace = _ipython_namespace()
+    options = Options.build(
+        checks=checks,
+        skip=skip,
+        budget=budget,
+        quick=quick,
+        apply=apply,
+        json=json,
+        no_restore=no_restore,
+        device=device,
+        memory=memory,
+    )
+    return Session(Workload(cell, namespace), options, progress).run()
+
+
+def _ipython_namespace() -> dict[str, Any]:
+    import sys
+
+    if "IPython" in sys.modules:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            return shell.user_ns
+    raise ValueError(
+        "namespace=None means the running IPython's namespace, but no IPython is running: "
+        "pass a dict, e.g. perfcheck(code, globals())"
+    )

@@ -1,0 +1,46 @@
+"""What a check is: an id, a guide section, and `detect(observation) -> detections`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from ..fixes import Fix
+from ..report import Finding
+
+if TYPE_CHECKING:
+    from ..probe import Observation
+
+GUIDE_URL = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
+
+
+@dataclass
+class Detection:
+    """A finding and, when one exists, the live fix that goes with it."""
+
+    finding: Finding
+    fix: Fix | None = None
+
+
+class Check:
+    """One rule from the tuning guide. Adding a check = one module + one registry line."""
+
+    id: ClassVar[str]
+    title: ClassVar[str]
+    guide: ClassVar[str]  # the guide's section title
+    needs_cuda: ClassVar[bool] = False
+
+    def not_applicable(self, obs: Observation) -> str | None:
+        """Why this check cannot apply to this run, or None."""
+        if self.needs_cuda and obs.device != "cuda":
+            return "not applicable on CPU: this only matters for work on a CUDA device"
+        return None
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        raise NotImplementedError
+
+    def finding(self, **fields: object) -> Finding:
+        """A Finding pre-filled with this check's id, title and guide section."""
+        base = {"id": self.id, "title": self.title, "guide": self.guide}
+        base.update(fields)
+        return Finding(**base)  # type: ignore[arg-type]

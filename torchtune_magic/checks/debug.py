@@ -1,0 +1,323 @@
+"""Debug APIs left on during real work: anomaly mode, profilers, gradcheck.
+
+The guide: "Disable debugging APIs" — anomaly detection, the autograd profiler / NVTX, and
+gradcheck cost time on every step and belong in debugging sessions, not training runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import codeedit
+from ..fixes import Fix, Patcher, patched
+from ..report import CodeChange
+from .base import Check, Detection
+
+if TYPE_CHECKING:
+    from ..probe import Observation
+
+GUIDE = "Disable debugging APIs"
+ANOMALY_NAMES = {"detect_anomaly", "set_detect_anomaly"}
+PROFILER_CALLS = {"profile", "emit_nvtx", "emit_itt"}
+GRADCHECK_NAMES = {"gradcheck", "gradgradcheck"}
+
+
+def _enables(call: ast.Call) -> bool:
+    """False only for an explicit off switch such as `set_detect_anomaly(False)`."""
+    args = [*call.args, *(k.value for k in call.keywords if k.arg in ("mode", "enabled"))]
+    return not (args and isinstance(args[0], ast.Constant) and args[0].value is False)
+
+
+def _strip_calls(source: str, tree: ast.Module, names: set[str]) -> tuple[str, list[int]]:
+    """Remove statements calling `names` and unwrap `with` blocks using them.
+
+    Returns the new source and the 1-based lines that were touched. Edits run bottom-up so
+    earlier line numbers stay valid.
+    """
+    targets: list[tuple[int, ast.stmt]] = []
+    for call in codeedit.calls_named(tree, names):
+        if not _enables(call):
+            continue
+        stmt = codeedit.statement_of(tree, call)
+        if stmt is None:
+            continue
+        if isinstance(stmt, ast.With) and any(item.context_expr is call for item in stmt.items):
+            if len(stmt.items) == 1:
+                targets.append((stmt.lineno, stmt))
+        elif isinstance(stmt, (ast.Expr, ast.Assign)):
+            targets.append((stmt.lineno, stmt))
+    lines = sorted({line for line, _ in targets})
+    for _, stmt in sorted(targets, key=lambda t: -t[0]):
+        if isinstance(stmt, ast.With):
+            source = codeedit.unwrap_with(source, stmt)
+        else:
+            source = codeedit.remove_statement(source, tree, stmt)
+    return source, lines
+
+
+def _lines_text(lines: list[int] | set[int]) -> str:
+    ordered = sorted(lines)
+    return ("line " if len(ordered) == 1 else "lines ") + ", ".join(map(str, ordered))
+
+
+# anomaly mode -------------------------------------------------------------------------------
+
+
+class _NoAnomaly:
+    """Stands in for detect_anomaly / set_detect_anomaly: accepts the call, changes nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __call__(self, func: Any) -> Any:  # used as a decorator
+        return func
+
+
+def _patch_everywhere(
+    patcher: Patcher, namespace: dict[str, Any], owners: list[Any], name: str, value: Any
+) -> None:
+    original = getattr(owners[0], name)
+    for owner in owners:
+        patcher.setattr(owner, name, value)
+    patcher.replace_everywhere(namespace, original, value)
+
+
+class AnomalyOffFix(Fix):
+    """Anomaly mode off: globally now, and the cell's own calls turned into no-ops."""
+
+    check_id = "debug-anomaly"
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        if torch.is_anomaly_enabled():
+            check_nan = torch.is_anomaly_check_nan_enabled()
+            patcher.call(
+                lambda: torch.set_anomaly_enabled(False),
+                lambda: torch.set_anomaly_enabled(True, check_nan),
+            )
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        owners = [torch.autograd, sys.modules["torch.autograd.anomaly_mode"]]
+
+        def build(patcher: Patcher) -> None:
+            for name in ANOMALY_NAMES:
+                _patch_everywhere(patcher, namespace, owners, name, _NoAnomaly)
+
+        return patched(build)
+
+
+class AnomalyCheck(Check):
+    id = "debug-anomaly"
+    title = "Anomaly detection is on during the work"
+    guide = GUIDE
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        seen = obs.backward_with_anomaly or obs.forward_with_anomaly or obs.anomaly_at_start
+        if not seen:
+            return []
+        source = obs.workload.source
+        fixed, lines = _strip_calls(source, obs.tree, ANOMALY_NAMES)
+        parts = []
+        if obs.backward_calls:
+            parts.append(f"{obs.backward_with_anomaly} of {obs.backward_calls} backward passes")
+        forwards = sum(use.calls for use in obs.modules.values())
+        if forwards:
+            parts.append(f"{obs.forward_with_anomaly} of {forwards} module calls")
+        evidence = "anomaly mode was on for " + (" and ".join(parts) or "the whole cell")
+        elsewhere = []
+        if lines:
+            evidence += f" (enabled at cell {_lines_text(lines)})"
+            where = f"cell {_lines_text(lines)}"
+        elif obs.anomaly_at_start:
+            evidence += " (already on when the cell started: enabled in an earlier cell)"
+            where = "global anomaly mode, set before this cell"
+            elsewhere.append(
+                "remove torch.autograd.set_detect_anomaly(True) from the cell that enabled it"
+            )
+        else:
+            where = "code called from this cell"
+            elsewhere.append("remove detect_anomaly / set_detect_anomaly from the code it calls")
+        return [
+            Detection(
+                self.finding(
+                    evidence=evidence,
+                    where=where,
+                    fixable=True,
+                    line=lines[0] if lines else None,
+                    code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
+                ),
+                AnomalyOffFix(),
+            )
+        ]
+
+
+# profilers ----------------------------------------------------------------------------------
+
+
+def _silent_kineto_profile() -> type:
+    from torch.autograd.profiler_util import EventList
+
+    class SilentProfile(torch.profiler.profile):
+        """torch.profiler.profile that records nothing (results are empty, not missing)."""
+
+        def start(self) -> None:
+            return None
+
+        def stop(self) -> None:
+            return None
+
+        def step(self) -> None:
+            return None
+
+        def events(self) -> EventList:
+            return EventList([])
+
+        def key_averages(self, *args: Any, **kwargs: Any) -> EventList:
+            return EventList([])
+
+    return SilentProfile
+
+
+def _disabled(cls: type) -> type:
+    """A subclass of a legacy profiler context whose `enabled` is always False."""
+
+    class Disabled(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["enabled"] = False
+            if args:
+                args = (False, *args[1:])
+                kwargs.pop("enabled")
+            super().__init__(*args, **kwargs)
+
+    Disabled.__name__ = f"Disabled{cls.__name__}"
+    return Disabled
+
+
+class ProfilersOffFix(Fix):
+    """Profiler entry points become inert while the cell runs."""
+
+    check_id = "debug-profiler"
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        def build(patcher: Patcher) -> None:
+            kineto_owners = [torch.profiler, sys.modules["torch.profiler.profiler"]]
+            _patch_everywhere(
+                patcher, namespace, kineto_owners, "profile", _silent_kineto_profile()
+            )
+            legacy = torch.autograd.profiler
+            for name in ("profile", "emit_nvtx", "emit_itt"):
+                disabled = _disabled(getattr(legacy, name))
+                _patch_everywhere(patcher, namespace, [legacy], name, disabled)
+
+        return patched(build)
+
+
+class ProfilerCheck(Check):
+    id = "debug-profiler"
+    title = "A profiler is recording the work"
+    guide = GUIDE
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        entries = obs.profiler_entries
+        if not entries and not obs.profiler_at_start and not obs.forward_under_profiler:
+            return []
+        source = obs.workload.source
+        fixed, lines = _strip_calls(source, obs.tree, PROFILER_CALLS)
+        kinds = sorted({entry.kind for entry in entries})
+        if entries:
+            evidence = f"{', '.join(kinds)} started {len(entries)} time(s) during the cell"
+        else:
+            evidence = "a profiler started before this cell was recording it"
+        if obs.forward_under_profiler:
+            evidence += f"; {obs.forward_under_profiler} module calls ran under it"
+        entry_lines = sorted({e.line for e in entries if e.line is not None} | set(lines))
+        elsewhere = []
+        if obs.profiler_at_start:
+            elsewhere.append("stop the profiler started in an earlier cell (prof.stop())")
+        if lines:
+            elsewhere.append(
+                "or keep it behind a flag: `with profile(...) if PROFILE else nullcontext():`"
+            )
+        return [
+            Detection(
+                self.finding(
+                    evidence=evidence,
+                    where=f"cell {_lines_text(entry_lines)}" if entry_lines else "before this cell",
+                    fixable=not obs.profiler_at_start,
+                    line=entry_lines[0] if entry_lines else None,
+                    caveat=(
+                        "with the fix the cell's profiler results are empty" if entries else None
+                    ),
+                    code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
+                ),
+                None if obs.profiler_at_start else ProfilersOffFix(),
+            )
+        ]
+
+
+# gradcheck ----------------------------------------------------------------------------------
+
+
+def _skipped_check(*args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+class SkipGradcheckFix(Fix):
+    """gradcheck / gradgradcheck return True at once while the cell runs."""
+
+    check_id = "debug-gradcheck"
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        owners = [torch.autograd, sys.modules["torch.autograd.gradcheck"]]
+
+        def build(patcher: Patcher) -> None:
+            for name in GRADCHECK_NAMES:
+                _patch_everywhere(patcher, namespace, owners, name, _skipped_check)
+
+        return patched(build)
+
+
+class GradcheckCheck(Check):
+    id = "debug-gradcheck"
+    title = "gradcheck runs inside the measured work"
+    guide = GUIDE
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        calls = obs.gradcheck_calls
+        if not calls:
+            return []
+        spent = sum(call.seconds for call in calls)
+        share = spent / obs.wall_s if obs.wall_s else 0.0
+        names = sorted({call.kind for call in calls})
+        lines = sorted({call.line for call in calls if call.line is not None})
+        source = obs.workload.source
+        fixed, _ = _strip_calls(source, obs.tree, GRADCHECK_NAMES)
+        return [
+            Detection(
+                self.finding(
+                    evidence=(
+                        f"{'/'.join(names)} ran {len(calls)} time(s), {spent:.3f} s of the "
+                        f"cell's {obs.wall_s:.3f} s ({share:.0%})"
+                    ),
+                    where=f"cell {_lines_text(lines)}" if lines else "code called from this cell",
+                    fixable=True,
+                    line=lines[0] if lines else None,
+                    caveat="the fix skips the check, so it no longer verifies gradients",
+                    code_change=CodeChange(
+                        codeedit.unified_diff(source, fixed),
+                        ["run gradcheck once, in a test or a separate cell, not in the loop"],
+                    ),
+                ),
+                SkipGradcheckFix(),
+            )
+        ]

@@ -1,0 +1,31 @@
+"""The list of checks. Ids are a public interface: never rename one."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from .base import Check
+
+
+@cache
+def all_checks() -> tuple[Check, ...]:
+    from . import autograd, debug
+
+    return (
+        debug.AnomalyCheck(),
+        debug.ProfilerCheck(),
+        debug.GradcheckCheck(),
+        autograd.NoGradCheck(),
+        autograd.ZeroGradNoneCheck(),
+    )
+
+
+def ids() -> list[str]:
+    return [check.id for check in all_checks()]
+
+
+def get(check_id: str) -> Check:
+    for check in all_checks():
+        if check.id == check_id:
+            return check
+    raise KeyError(check_id)

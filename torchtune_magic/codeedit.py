@@ -1,0 +1,147 @@
+"""Line-level edits of the cell source, for live source fixes and the code changes shown.
+
+Edits work on AST positions, keep the user's formatting everywhere else, and produce a
+unified diff the renderers show as "the change to make".
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from collections.abc import Iterator
+
+
+def unified_diff(old: str, new: str) -> str:
+    if old == new:
+        return ""
+    lines = difflib.unified_diff(
+        old.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        "cell",
+        "cell (optimized)",
+        n=1,
+    )
+    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+def _indent_of(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
+
+
+def _only_statement(tree: ast.Module, node: ast.stmt) -> bool:
+    for parent in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(parent, field, None)
+            if isinstance(block, list) and node in block:
+                return len(block) == 1
+    return False
+
+
+def remove_statement(source: str, tree: ast.Module, node: ast.stmt) -> str:
+    """Delete a statement (replaced by `pass` when it is alone in its block)."""
+    lines = source.splitlines(keepends=True)
+    first, last = node.lineno - 1, node.end_lineno or node.lineno
+    replacement = []
+    if _only_statement(tree, node) and not isinstance(_parent_of(tree, node), ast.Module):
+        replacement = [_indent_of(lines[first]) + "pass\n"]
+    return "".join(lines[:first] + replacement + lines[last:])
+
+
+def unwrap_with(source: str, node: ast.With) -> str:
+    """Replace `with X: body` by the body, dedented to the `with` line's indentation."""
+    lines = source.splitlines(keepends=True)
+    header_first, body_first = node.lineno - 1, node.body[0].lineno - 1
+    last = node.end_lineno or node.lineno
+    outer = _indent_of(lines[header_first])
+    inner = _indent_of(lines[body_first])
+    body = [
+        outer + line[len(inner) :] if line.startswith(inner) else line
+        for line in lines[body_first:last]
+    ]
+    return "".join(lines[:header_first] + body + lines[last:])
+
+
+def wrap_lines(source: str, first: int, last: int, header: str) -> str:
+    """Put 1-based lines first..last inside `header:` (e.g. `with torch.no_grad()`)."""
+    lines = source.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    indent = _indent_of(lines[first - 1])
+    body = ["    " + line if line.strip() else line for line in lines[first - 1 : last]]
+    return "".join([*lines[: first - 1], f"{indent}{header}:\n", *body, *lines[last:]])
+
+
+def replace_node(source: str, node: ast.AST, text: str) -> str:
+    """Replace the exact source span of `node` by `text`."""
+    lines = source.splitlines(keepends=True)
+    start = sum(len(line) for line in lines[: node.lineno - 1]) + _byte_to_char(
+        lines[node.lineno - 1], node.col_offset
+    )
+    end_line = node.end_lineno or node.lineno
+    end = sum(len(line) for line in lines[: end_line - 1]) + _byte_to_char(
+        lines[end_line - 1], node.end_col_offset or 0
+    )
+    return source[:start] + text + source[end:]
+
+
+def replace_nodes(source: str, edits: list[tuple[ast.AST, str]]) -> str:
+    """Several `replace_node` edits at once (applied bottom-up so positions stay valid)."""
+    ordered = sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True)
+    for node, text in ordered:
+        source = replace_node(source, node, text)
+    return source
+
+
+def _byte_to_char(line: str, offset: int) -> int:
+    return len(line.encode()[:offset].decode(errors="ignore"))
+
+
+def _parent_of(tree: ast.Module, target: ast.AST) -> ast.AST | None:
+    for parent in ast.walk(tree):
+        for child in ast.iter_child_nodes(parent):
+            if child is target:
+                return parent
+    return None
+
+
+def top_statement_at(tree: ast.Module, line: int) -> ast.stmt | None:
+    """The outermost cell statement containing `line`."""
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            return node
+    return None
+
+
+def dotted_name(node: ast.AST) -> str:
+    """`torch.autograd.detect_anomaly` for an Attribute/Name chain, else ''."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+def calls_named(tree: ast.Module, names: set[str]) -> Iterator[ast.Call]:
+    """Calls whose callee's last name is in `names` (`x.y.detect_anomaly(...)`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            last = dotted_name(node.func).rsplit(".", 1)[-1]
+            if last in names:
+                yield node
+
+
+def statement_of(tree: ast.Module, target: ast.AST) -> ast.stmt | None:
+    """The innermost statement that contains `target`."""
+    best: ast.stmt | None = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt) or not any(n is target for n in ast.walk(node)):
+            continue
+        if best is None or (node.lineno, -(node.end_lineno or 0)) >= (
+            best.lineno,
+            -(best.end_lineno or 0),
+        ):
+            best = node
+    return best

@@ -1,0 +1,193 @@
+"""The IPython adapter: `%%perfcheck` and `%perfcheck list|revert`. Thin on purpose.
+
+Parses options the way `%timeit` users expect, hands the cell to a Session, and shows the
+result (live widget panel where widgets can render, the static report otherwise).
+"""
+
+from __future__ import annotations
+
+import shlex
+import weakref
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .options import Options, OptionsError
+from .report import Report
+from .session import Session
+from .workload import CellError, Workload
+
+_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _widgets_can_render(shell: Any) -> bool:
+    """A kernel with a front end (not terminal IPython) and ipywidgets installed."""
+    if getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _progress_printer(shell: Any):
+    """Text progress for front ends without widgets: one line updated in place."""
+    from IPython.display import display
+
+    handle = display({"text/plain": "measuring…"}, raw=True, display_id=True)
+    shown = {"step": -1}
+
+    def progress(fraction: float, message: str) -> None:
+        step = int(fraction * 10)
+        if step != shown["step"] and handle is not None:
+            shown["step"] = step
+            handle.update({"text/plain": f"measuring… {fraction:.0%} ({message})"}, raw=True)
+
+    return progress, handle
+
+
+@magics_class
+class PerfcheckMagics(Magics):
+    @magic_arguments()
+    @argument("--checks", metavar="IDS", help="only these checks (comma list of ids)")
+    @argument("--skip", metavar="IDS", help="skip these checks (comma list of ids)")
+    @argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="total measuring time in seconds (default 20); progress is shown",
+    )
+    @argument("--quick", action="store_true", help="measure only baseline and all fixes together")
+    @argument(
+        "--apply",
+        metavar="IDS|all",
+        help="leave these fixes applied afterwards, as if toggled on",
+    )
+    @argument("--json", metavar="PATH", help="write the report (schema v1) to PATH")
+    @argument("-o", dest="return_report", action="store_true", help="return the Report object")
+    @argument("-q", dest="quiet", action="store_true", help="show nothing")
+    @argument("--no-widget", action="store_true", help="static report only, no live panel")
+    @argument(
+        "--no-restore",
+        action="store_true",
+        help="do not restore state after measuring (the extra runs keep their effects)",
+    )
+    @argument(
+        "--device", choices=["cpu", "cuda"], help="device the work runs on (default: detected)"
+    )
+    @argument("--memory", action="store_true", help="memory is the constraint: report memory fixes")
+    @argument("command", nargs="*", help="line magic only: `list` or `revert`")
+    @line_cell_magic
+    def perfcheck(self, line: str, cell: str | None = None) -> Report | None:
+        """Check a cell against the PyTorch Performance Tuning Guide, measure each fix.
+
+        %%perfcheck [options]  (on top of a cell that trains or evaluates a model)
+            Runs the cell once with instrumentation, lists what the guide would change with
+            the evidence seen, then times the baseline against each fix and all fixes
+            together (interleaved runs, median ± IQR) and checks whether results stayed the
+            same. Afterwards the kernel is as if the cell ran once. In JupyterLab, Notebook,
+            VS Code and Colab a panel lets you toggle each fix on the live objects, re-time,
+            and see the code changes.
+
+        %perfcheck list     the checks, their ids and guide sections
+        %perfcheck revert   undo every fix still applied by any %%perfcheck run
+
+        Python API: torchtune_magic.perfcheck(cell, namespace, **same options).
+        """
+        __tracebackhide__ = True
+        args = parse_argstring(self.perfcheck, line)
+        if cell is None:
+            return self._line_command(args.command)
+        if args.command:
+            raise UsageError(f"%%perfcheck: unexpected argument(s): {' '.join(args.command)}")
+        try:
+            options = Options.build(
+                checks=args.checks,
+                skip=args.skip,
+                budget=args.budget,
+                quick=args.quick,
+                apply=args.apply,
+                json=args.json,
+                quiet=args.quiet,
+                no_widget=args.no_widget,
+                no_restore=args.no_restore,
+                device=args.device,
+                memory=args.memory,
+            )
+        except OptionsError as error:
+            raise UsageError(f"%%perfcheck: {error}") from None
+        try:
+            workload = Workload(self.shell.transform_cell(cell), self.shell.user_ns)
+        except SyntaxError:
+            self.shell.showsyntaxerror()
+            return None
+        report = self._run(workload, options)
+        return report if args.return_report else None
+
+    def _run(self, workload: Workload, options: Options) -> Report | None:
+        __tracebackhide__ = True
+        live = options.widget and not options.quiet and _widgets_can_render(self.shell)
+        panel = None
+        if live:
+            from .render.widget import Panel
+
+            panel = Panel.measuring(self.shell)
+            progress = panel.progress
+        elif not options.quiet:
+            progress, handle = _progress_printer(self.shell)
+        else:
+            progress, handle = None, None
+        session = Session(workload, options, progress)
+        _sessions.add(session)
+        try:
+            report = session.run()
+        except CellError as error:
+            if panel is not None:
+                panel.close()
+            raise error.original.with_traceback(error.original.__traceback__) from None
+        if options.quiet:
+            return report
+        if panel is not None:
+            panel.attach(session, report)
+        else:
+            from .render import bundle
+
+            handle.update(bundle.render(report), raw=True)
+        return report
+
+    def _line_command(self, words: list[str]) -> None:
+        command = " ".join(words)
+        if command == "list":
+            from .checks import registry
+
+            for check in registry.all_checks():
+                scope = " (CUDA only)" if check.needs_cuda else ""
+                print(f"{check.id:26} {check.title}{scope}\n{'':26} guide: {check.guide}")
+            return None
+        if command == "revert":
+            reverted = []
+            for session in list(_sessions):
+                reverted.extend(session.applied_ids)
+                session.revert_all()
+            print(f"reverted: {', '.join(reverted)}" if reverted else "no fix was applied")
+            return None
+        raise UsageError(
+            f"%perfcheck {shlex.quote(command)}: use `%perfcheck list`, `%perfcheck revert`, "
+            "or `%%perfcheck [options]` on top of a cell"
+        )
+
+
+def register(shell: Any) -> None:
+    shell.register_magics(PerfcheckMagics)
+
+
+def unregister(shell: Any) -> None:
+    for session in list(_sessions):
+        session.revert_all()
+    magics = shell.magics_manager.magics
+    for kind in ("line", "cell"):
+        magics[kind].pop("perfcheck", None)
+    shell.magics_manager.registry.pop("PerfcheckMagics", None)

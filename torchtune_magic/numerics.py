@@ -1,0 +1,78 @@
+"""Did a fix change what the cell produced? Compare a fixed run against a baseline run.
+
+Both runs start from the same restored state and RNG seed. What is compared: tensors and
+numbers the cell bound in the namespace, and parameters/buffers of the models it touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .report import Numerics
+
+Outputs = dict[str, torch.Tensor]
+
+
+def capture(
+    namespace: dict[str, Any], names: set[str], modules: dict[str, torch.nn.Module]
+) -> Outputs:
+    """CPU copies of what the cell produced, keyed by a readable name."""
+    outputs: Outputs = {}
+    for name in sorted(names):
+        value = namespace.get(name)
+        if isinstance(value, torch.Tensor):
+            outputs[name] = value.detach().to("cpu", copy=True)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            outputs[name] = torch.tensor(float(value), dtype=torch.float64)
+    for label, module in modules.items():
+        for key, tensor in module.state_dict().items():
+            outputs[f"{label}.{key}"] = tensor.detach().to("cpu", copy=True)
+    return outputs
+
+
+@dataclass
+class _Diff:
+    name: str
+    rel: float
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    if not a.is_floating_point() and not a.is_complex():
+        return 0.0 if torch.equal(a, b) else math.inf
+    a64, b64 = a.double(), b.double()
+    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
+    if not torch.equal(nan_a, nan_b):
+        return math.inf
+    a64, b64 = a64[~nan_a], b64[~nan_b]
+    if a64.numel() == 0:
+        return 0.0
+    scale = max(float(a64.abs().max()), float(b64.abs().max()), 1e-12)
+    return float((a64 - b64).abs().max()) / scale
+
+
+def compare(baseline: Outputs, variant: Outputs, tolerance: float) -> Numerics:
+    """identical (bit for bit) / close (within tolerance) / changed (with the largest diff)."""
+    shared = sorted(set(baseline) & set(variant))
+    missing = sorted(set(baseline) ^ set(variant))
+    if not shared:
+        return Numerics("not-compared", None, "the cell bound no tensors or models to compare")
+    identical = all(
+        baseline[k].dtype == variant[k].dtype and torch.equal(baseline[k], variant[k])
+        for k in shared
+    )
+    note = f"not compared (present in one run only): {', '.join(missing)}" if missing else None
+    if identical:
+        return Numerics("identical", 0.0, note)
+    worst = max((_Diff(k, _rel_diff(baseline[k], variant[k])) for k in shared), key=lambda d: d.rel)
+    detail = f"largest difference in {worst.name}"
+    if note:
+        detail = f"{detail}; {note}"
+    verdict = "close" if worst.rel <= tolerance else "changed"
+    rel = worst.rel if math.isfinite(worst.rel) else None
+    return Numerics(verdict, rel, detail)

@@ -1,0 +1,350 @@
+"""One instrumented run of the cell, recording what it really did.
+
+Global module hooks, an optimizer step hook, wrappers around backward / zero_grad /
+DataLoader iteration / gradcheck / profiler entry points, and (where it cannot clash with
+the user's own profiler) the torch profiler for the op stream and CPU peak memory. Every
+hook and patch is removed when the run ends, also on error and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from . import discovery, memory
+from .fixes import Patcher
+from .workload import Workload
+
+PROFILER_NAMES = frozenset({"profile", "profiler", "emit_nvtx", "emit_itt", "record_function"})
+
+
+@dataclass
+class ModuleUse:
+    """How one module was called during the run."""
+
+    module: torch.nn.Module
+    calls: int = 0
+    grad_calls: int = 0  # calls with autograd recording (grad enabled, not inference mode)
+    outer_calls: int = 0  # calls not nested inside another module's forward
+    lines: set[int] = field(default_factory=set)
+    input_nchw_4d: int = 0  # outer calls given a 4-D contiguous (NCHW) tensor
+
+
+@dataclass
+class LoaderUse:
+    """A DataLoader the cell iterated, and how long it waited for batches."""
+
+    loader: DataLoader
+    batches: int = 0
+    wait_s: float = 0.0
+    lines: set[int] = field(default_factory=set)
+
+
+@dataclass
+class CallSite:
+    """A call of interest (zero_grad, gradcheck, a profiler) and where it came from."""
+
+    kind: str
+    line: int | None
+    owner: Any = None
+    seconds: float = 0.0
+    detail: Any = None
+
+
+@dataclass
+class OpEvent:
+    """A top-level operator from the profiler stream (times in microseconds)."""
+
+    name: str
+    start_us: float
+    end_us: float
+    self_us: float
+
+
+@dataclass
+class Observation:
+    """Everything the probe saw; checks read this and the cell AST, nothing else."""
+
+    workload: Workload
+    wall_s: float = 0.0
+    modules: dict[int, ModuleUse] = field(default_factory=dict)
+    edges: dict[tuple[int, int], int] = field(default_factory=dict)  # producer -> consumer
+    backward_calls: int = 0
+    backward_with_anomaly: int = 0
+    forward_with_anomaly: int = 0
+    anomaly_at_start: bool = False
+    anomaly_at_end: bool = False
+    profiler_at_start: bool = False
+    forward_under_profiler: int = 0
+    profiler_entries: list[CallSite] = field(default_factory=list)
+    gradcheck_calls: list[CallSite] = field(default_factory=list)
+    zero_grad_calls: list[CallSite] = field(default_factory=list)
+    backward_lines: set[int] = field(default_factory=set)
+    zeroed_grad_backwards: int = 0  # backward passes preceded by all-zero tensor grads
+    zeroed_grad_params: int = 0
+    optimizer_steps: dict[int, tuple[torch.optim.Optimizer, int]] = field(default_factory=dict)
+    loaders: dict[int, LoaderUse] = field(default_factory=dict)
+    ops: list[OpEvent] | None = None
+    op_totals: dict[str, tuple[int, float]] = field(default_factory=dict)  # name: (count, µs)
+    peak_memory: memory.Peak | None = None
+    found: dict[int, discovery.Found] = field(default_factory=dict)
+    device: str = "cpu"
+
+    @property
+    def tree(self) -> ast.Module:
+        return self.workload.tree
+
+    def module_path(self, module: torch.nn.Module) -> str:
+        """`model.layer1.0.conv1` for a submodule, the namespace path for a top-level one."""
+        for entry in discovery.top_level_modules(self.found):
+            for name, sub in entry.obj.named_modules():
+                if sub is module:
+                    return f"{entry.name}.{name}" if name else entry.name
+        return type(module).__name__
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for opt, _ in self.optimizer_steps.values()]
+
+
+class _Recorder:
+    """The hooks. Kept apart from Observation so no hook state leaks into the result."""
+
+    def __init__(self, obs: Observation):
+        self.obs = obs
+        self.depth = 0
+        self.producers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.iterators: dict[int, DataLoader] = {}
+        self.watched_params: dict[int, torch.Tensor] = {}
+        self.own_profiler = False  # our profiler is on: `_profiler_enabled()` is no evidence
+
+    def line(self) -> int | None:
+        return self.obs.workload.cell_line()
+
+    # module hooks -------------------------------------------------------------------------
+    def forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        use = self.obs.modules.get(id(module))
+        if use is None:
+            use = self.obs.modules[id(module)] = ModuleUse(module)
+        use.calls += 1
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            use.grad_calls += 1
+        if self.depth == 0:
+            use.outer_calls += 1
+            line = self.line()
+            if line is not None:
+                use.lines.add(line)
+            if any(_is_nchw_4d(a) for a in args):
+                use.input_nchw_4d += 1
+            for param in module.parameters():
+                self.watched_params.setdefault(id(param), param)
+        if torch.is_anomaly_enabled():
+            self.obs.forward_with_anomaly += 1
+        if torch.autograd._profiler_enabled() and not self.own_profiler:
+            self.obs.forward_under_profiler += 1
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                known = self.producers.get(id(arg))
+                if known is not None and known[0]() is arg:
+                    edge = (known[1], id(module))
+                    self.obs.edges[edge] = self.obs.edges.get(edge, 0) + 1
+        self.depth += 1
+
+    def forward_post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+        if isinstance(output, torch.Tensor):
+            self.producers[id(output)] = (weakref.ref(output), id(module))
+
+    # wrappers -----------------------------------------------------------------------------
+    def backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded_backward(*args: Any, **kwargs: Any) -> Any:
+            obs = self.obs
+            obs.backward_calls += 1
+            if torch.is_anomaly_enabled():
+                obs.backward_with_anomaly += 1
+            line = self.line()
+            if line is not None:
+                obs.backward_lines.add(line)
+            zeroed = sum(
+                1
+                for p in self.watched_params.values()
+                if p.grad is not None and not p.grad.is_sparse and not bool(p.grad.any())
+            )
+            if zeroed:
+                obs.zeroed_grad_backwards += 1
+                obs.zeroed_grad_params = max(obs.zeroed_grad_params, zeroed)
+            return original(*args, **kwargs)
+
+        return recorded_backward
+
+    def zero_grad(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded_zero_grad(owner: Any, set_to_none: bool = True) -> Any:
+            self.obs.zero_grad_calls.append(
+                CallSite("zero_grad", self.line(), owner, detail=set_to_none)
+            )
+            return original(owner, set_to_none)
+
+        return recorded_zero_grad
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        _, count = self.obs.optimizer_steps.get(id(optimizer), (optimizer, 0))
+        self.obs.optimizer_steps[id(optimizer)] = (optimizer, count + 1)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self.watched_params.setdefault(id(param), param)
+
+    def loader_iter(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded_iter(loader: DataLoader) -> Any:
+            iterator = original(loader)
+            self.iterators[id(iterator)] = loader
+            use = self.obs.loaders.setdefault(id(loader), LoaderUse(loader))
+            line = self.line()
+            if line is not None:
+                use.lines.add(line)
+            return iterator
+
+        return recorded_iter
+
+    def loader_next(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded_next(iterator: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(iterator)
+            finally:
+                loader = self.iterators.get(id(iterator))
+                if loader is not None:
+                    use = self.obs.loaders[id(loader)]
+                    use.wait_s += time.perf_counter() - start
+                    use.batches += 1
+
+        return recorded_next
+
+    def timed_call(self, kind: str, sink: list[CallSite], original: Callable[..., Any]):
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sink.append(CallSite(kind, self.line(), seconds=time.perf_counter() - start))
+
+        return recorded
+
+
+def _is_nchw_4d(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 4
+        and value.is_contiguous()
+        and not value.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+def mentions_profiler(tree: ast.Module) -> bool:
+    """Whether the cell names a profiler API itself (then the probe must not open its own)."""
+    for node in ast.walk(tree):
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if name in PROFILER_NAMES:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[None]:
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    patcher = Patcher()
+    handles = []
+    try:
+        handles.append(register_module_forward_pre_hook(recorder.forward_pre))
+        handles.append(register_module_forward_hook(recorder.forward_post))
+        handles.append(register_optimizer_step_pre_hook(recorder.optimizer_step))
+        patcher.setattr(torch.autograd, "backward", recorder.backward(torch.autograd.backward))
+        for owner in (torch.optim.Optimizer, torch.nn.Module):
+            patcher.setattr(owner, "zero_grad", recorder.zero_grad(owner.zero_grad))
+        patcher.setattr(DataLoader, "__iter__", recorder.loader_iter(DataLoader.__iter__))
+        patcher.setattr(
+            _BaseDataLoaderIter, "__next__", recorder.loader_next(_BaseDataLoaderIter.__next__)
+        )
+        _patch_gradcheck(patcher, recorder, namespace)
+        _patch_profiler_entries(patcher, recorder)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        patcher.undo()
+
+
+def _patch_gradcheck(patcher: Patcher, recorder: _Recorder, namespace: dict[str, Any]) -> None:
+    import sys
+
+    module = sys.modules["torch.autograd.gradcheck"]
+    for name in ("gradcheck", "gradgradcheck"):
+        original = getattr(module, name)
+        wrapped = recorder.timed_call(name, recorder.obs.gradcheck_calls, original)
+        patcher.setattr(module, name, wrapped)
+        patcher.setattr(torch.autograd, name, wrapped)
+        patcher.replace_everywhere(namespace, original, wrapped)
+
+
+def _patch_profiler_entries(patcher: Patcher, recorder: _Recorder) -> None:
+    entries = recorder.obs.profiler_entries
+    targets = [
+        (torch.profiler.profile, "start", "torch.profiler.profile"),
+        (torch.autograd.profiler.profile, "__enter__", "torch.autograd.profiler.profile"),
+        (torch.autograd.profiler.emit_nvtx, "__enter__", "torch.autograd.profiler.emit_nvtx"),
+        (torch.autograd.profiler.emit_itt, "__enter__", "torch.autograd.profiler.emit_itt"),
+    ]
+    for owner, method, label in targets:
+        original = getattr(owner, method)
+
+        def recorded(self: Any, *args: Any, _original=original, _label=label, **kwargs: Any):
+            if getattr(self, "enabled", True):
+                entries.append(CallSite(_label, recorder.line()))
+            return _original(self, *args, **kwargs)
+
+        patcher.setattr(owner, method, recorded)
+
+
+def run(workload: Workload, device: str, *, use_profiler: bool | None = None) -> Observation:
+    """Run the cell once under instrumentation. The user's exception propagates as CellError."""
+    __tracebackhide__ = True
+    obs = Observation(workload, device=device)
+    obs.found = discovery.walk(workload.namespace)
+    obs.anomaly_at_start = torch.is_anomaly_enabled()
+    obs.profiler_at_start = bool(torch.autograd._profiler_enabled())
+    if use_profiler is None:
+        use_profiler = not obs.profiler_at_start and not mentions_profiler(workload.tree)
+    recorder = _Recorder(obs)
+    recorder.own_profiler = use_profiler
+    # Our profiler starts before the entry points are patched, so it is never mistaken for
+    # one of the user's.
+    if use_profiler:
+        with memory.profiled(device) as profile, _instrumented(recorder, workload.namespace):
+            obs.wall_s = workload.run()
+        obs.ops, obs.op_totals = profile.ops, profile.op_totals
+        obs.peak_memory = profile.peak
+    else:
+        with memory.tracked(device) as tracker, _instrumented(recorder, workload.namespace):
+            obs.wall_s = workload.run()
+        obs.peak_memory = tracker.peak
+    obs.anomaly_at_end = torch.is_anomaly_enabled()
+    for key, entry in discovery.walk(workload.namespace).items():
+        known = obs.found.get(key)
+        if known is None:
+            obs.found[key] = entry
+        else:
+            known.locations.extend(loc for loc in entry.locations if loc not in known.locations)
+    return obs

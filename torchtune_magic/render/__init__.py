@@ -1,0 +1,1 @@
+"""Renderers: each is `render(report) -> output`; none of them measures anything."""

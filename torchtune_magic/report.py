@@ -1,0 +1,168 @@
+"""The report: plain dataclasses that turn into the schema-v1 JSON (a public contract).
+
+Measurement code builds these; renderers only read them. Nothing here imports torch, so
+a saved report can be loaded and rendered anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+SCHEMA_ID = "torchtune-magic/report/v1"
+MIME_TYPE = "application/vnd.torchtune-magic.report.v1+json"
+NOISE_THRESHOLD = 0.10  # IQR/median above this is flagged, as torch.utils.benchmark does
+
+
+def load_schema() -> dict[str, Any]:
+    """The shipped JSON Schema for `Report.to_dict()`."""
+    text = resources.files("torchtune_magic").joinpath("report.schema.json").read_text()
+    return json.loads(text)
+
+
+@dataclass
+class CodeChange:
+    """How to make a fix permanent: a diff of the cell and edits to make elsewhere."""
+
+    diff: str = ""
+    elsewhere: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Finding:
+    """One thing the tuning guide would change, with the evidence that it happened."""
+
+    id: str
+    title: str
+    evidence: str
+    where: str
+    fixable: bool
+    guide: str
+    line: int | None = None
+    caveat: str | None = None
+    code_change: CodeChange | None = None
+
+
+@dataclass
+class Stats:
+    """Timing summary of one configuration (the baseline)."""
+
+    median_s: float | None
+    iqr_s: float | None
+    runs: int
+    peak_memory_bytes: int | None
+    noisy: bool = False
+
+
+@dataclass
+class Numerics:
+    """Whether a fix changed what the cell produced."""
+
+    verdict: str = "not-compared"  # identical | close | changed | not-compared
+    max_rel_diff: float | None = None
+    detail: str | None = None
+
+
+@dataclass
+class Variant:
+    """One set of fixes, measured against the baseline in the same interleaved run."""
+
+    fixes: list[str]
+    median_s: float | None = None
+    iqr_s: float | None = None
+    runs: int = 0
+    speedup: float | None = None
+    peak_memory_bytes: int | None = None
+    numerics: Numerics = field(default_factory=Numerics)
+    one_time_s: float | None = None
+    break_even_runs: int | None = None
+    noisy: bool = False
+    error: str | None = None
+
+    @property
+    def is_slower(self) -> bool:
+        return self.speedup is not None and self.speedup < 1.0
+
+
+@dataclass
+class NotApplicable:
+    id: str
+    reason: str
+
+
+@dataclass
+class Report:
+    """Everything one %%perfcheck run found and measured."""
+
+    environment: dict[str, Any]
+    baseline: Stats
+    findings: list[Finding] = field(default_factory=list)
+    variants: list[Variant] = field(default_factory=list)
+    not_applicable: list[NotApplicable] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    cell: str = ""
+    run_id: str = ""
+    budget_s: float | None = None
+    elapsed_s: float | None = None
+
+    def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
+        """The measured variant with exactly these fixes, if any."""
+        wanted = sorted(fixes)
+        return next((v for v in self.variants if sorted(v.fixes) == wanted), None)
+
+    def finding(self, check_id: str) -> Finding | None:
+        return next((f for f in self.findings if f.id == check_id), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        ordered = {"schema": SCHEMA_ID}
+        ordered.update(data)
+        return ordered
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def write_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        if data.get("schema") != SCHEMA_ID:
+            raise ValueError(f"not a {SCHEMA_ID} report (schema={data.get('schema')!r})")
+        findings = []
+        for f in data.get("findings", []):
+            change = f.get("code_change")
+            findings.append(
+                Finding(**{**f, "code_change": CodeChange(**change) if change else None})
+            )
+        variants = [
+            Variant(**{**v, "numerics": Numerics(**v.get("numerics", {}))})
+            for v in data.get("variants", [])
+        ]
+        return cls(
+            environment=data["environment"],
+            baseline=Stats(**data["baseline"]),
+            findings=findings,
+            variants=variants,
+            not_applicable=[NotApplicable(**n) for n in data.get("not_applicable", [])],
+            applied=list(data.get("applied", [])),
+            warnings=list(data.get("warnings", [])),
+            cell=data.get("cell", ""),
+            run_id=data.get("run_id", ""),
+            budget_s=data.get("budget_s"),
+            elapsed_s=data.get("elapsed_s"),
+        )
+
+    def __repr__(self) -> str:
+        """One line, like %timeit's result: `-o` must not print the whole report twice."""
+        measured = [v for v in self.variants if v.speedup is not None]
+        best = max(measured, key=lambda v: v.speedup or 0.0, default=None)
+        tail = f", best {best.speedup:.2f}x ({'+'.join(best.fixes)})" if best else ""
+        return f"<Report: {len(self.findings)} findings{tail}>"

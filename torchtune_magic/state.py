@@ -1,0 +1,265 @@
+"""The state guard: snapshot what a cell can change and put it back exactly.
+
+Measuring means running the cell many times; the user's kernel must look as if it ran once.
+A snapshot holds CPU copies of every parameter, buffer, gradient, optimizer/scheduler state,
+loose tensor, RNG state and the namespace bindings. Restoring writes values back *into the
+same objects* (identity kept), so references the user holds elsewhere stay valid.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import discovery
+
+try:  # numpy is optional for the guard; torch works without it
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is a declared dependency
+    np = None
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _write_into(target: torch.Tensor, saved: torch.Tensor) -> None:
+    with torch.no_grad():
+        if target.shape == saved.shape and target.dtype == saved.dtype:
+            target.copy_(saved)
+        else:  # the run replaced the storage (e.g. `p.data = ...`): put the old one back
+            target.data = saved.to(target.device)
+
+
+@dataclass
+class _TensorState:
+    tensor: torch.Tensor
+    value: torch.Tensor
+    grad: torch.Tensor | None
+    grad_value: torch.Tensor | None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _TensorState:
+        grad = tensor.grad if tensor.is_leaf else None
+        return cls(tensor, _cpu_copy(tensor), grad, None if grad is None else _cpu_copy(grad))
+
+    def restore(self) -> None:
+        _write_into(self.tensor, self.value)
+        if not self.tensor.is_leaf:
+            return
+        if self.grad is None:
+            self.tensor.grad = None
+            return
+        _write_into(self.grad, self.grad_value)
+        if self.tensor.grad is not self.grad:
+            self.tensor.grad = self.grad
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.grad_value.nbytes if self.grad_value is not None else 0
+        return self.value.nbytes + extra
+
+
+def _copy_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _cpu_copy(value)
+    return copy.deepcopy(value)
+
+
+@dataclass
+class _OptimizerState:
+    optimizer: torch.optim.Optimizer
+    per_param: dict[int, tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]
+    groups: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> _OptimizerState:
+        per_param = {
+            id(param): (param, dict(state), {k: _copy_value(v) for k, v in state.items()})
+            for param, state in optimizer.state.items()
+        }
+        groups = [
+            {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+            for group in optimizer.param_groups
+        ]
+        return cls(optimizer, per_param, groups)
+
+    def restore(self) -> None:
+        state = self.optimizer.state
+        for param in list(state.keys()):
+            if id(param) not in self.per_param:
+                del state[param]  # created by the measured runs (e.g. the first step)
+        for param, objects, values in self.per_param.values():
+            restored: dict[str, Any] = {}
+            for key, value in values.items():
+                original = objects[key]
+                if isinstance(original, torch.Tensor):
+                    _write_into(original, value)
+                    restored[key] = original
+                else:
+                    restored[key] = copy.deepcopy(value)
+            state[param] = restored
+        for group, saved in zip(self.optimizer.param_groups, self.groups, strict=False):
+            group.update(copy.deepcopy(saved))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            v.nbytes
+            for _, _, values in self.per_param.values()
+            for v in values.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+
+@dataclass
+class _StateDictObject:
+    """Objects whose own state_dict round-trips them (LR schedulers, GradScaler)."""
+
+    obj: Any
+    saved: dict[str, Any]
+
+    @classmethod
+    def of(cls, obj: Any) -> _StateDictObject:
+        return cls(obj, copy.deepcopy(obj.state_dict()))
+
+    def restore(self) -> None:
+        self.obj.load_state_dict(copy.deepcopy(self.saved))
+
+
+@dataclass
+class _RNGState:
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor] | None
+    python: Any
+    numpy: Any
+    generators: list[tuple[torch.Generator, torch.Tensor]]
+
+    @classmethod
+    def capture(cls, generators: Iterable[torch.Generator]) -> _RNGState:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return cls(
+            torch.get_rng_state(),
+            cuda,
+            random.getstate(),
+            np.random.get_state() if np is not None else None,
+            [(g, g.get_state()) for g in generators],
+        )
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_cpu)
+        if self.torch_cuda is not None:
+            torch.cuda.set_rng_state_all(self.torch_cuda)
+        random.setstate(self.python)
+        if np is not None and self.numpy is not None:
+            np.random.set_state(self.numpy)
+        for generator, state in self.generators:
+            generator.set_state(state)
+
+
+@dataclass
+class Snapshot:
+    """Everything needed to put the kernel back as it was when the snapshot was taken."""
+
+    namespace: dict[str, Any]
+    bindings: dict[str, Any]
+    tensors: list[_TensorState] = field(default_factory=list)
+    training_flags: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
+    optimizers: list[_OptimizerState] = field(default_factory=list)
+    stateful: list[_StateDictObject] = field(default_factory=list)
+    rng: _RNGState | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors) + sum(o.nbytes for o in self.optimizers)
+
+    def restore(self) -> None:
+        """Rebind names, then write values back into the same objects."""
+        ns = self.namespace
+        for name in [n for n in ns if n not in self.bindings and not n.startswith("_")]:
+            del ns[name]
+        for name, value in self.bindings.items():
+            if ns.get(name, _MISSING) is not value:
+                ns[name] = value
+        for tensor_state in self.tensors:
+            tensor_state.restore()
+        for module, training in self.training_flags:
+            module.training = training
+        for optimizer_state in self.optimizers:
+            optimizer_state.restore()
+        for obj in self.stateful:
+            obj.restore()
+        if self.rng is not None:
+            self.rng.restore()
+
+
+_MISSING = object()
+
+
+def estimate_bytes(found: dict[int, discovery.Found]) -> int:
+    """What a snapshot of these objects would hold, without copying anything."""
+    total = 0
+    for tensor in _tensors_of(found):
+        total += tensor.nbytes
+        if tensor.is_leaf and tensor.grad is not None:
+            total += tensor.grad.nbytes
+    for entry in discovery.of_type(found, torch.optim.Optimizer):
+        for state in entry.obj.state.values():
+            total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def _tensors_of(found: dict[int, discovery.Found]) -> list[torch.Tensor]:
+    tensors: dict[int, torch.Tensor] = {}
+    for entry in discovery.of_type(found, torch.nn.Module):
+        for tensor in [*entry.obj.parameters(), *entry.obj.buffers()]:
+            tensors[id(tensor)] = tensor
+    for entry in discovery.of_type(found, torch.Tensor):
+        tensors.setdefault(id(entry.obj), entry.obj)
+    return list(tensors.values())
+
+
+def take(namespace: dict[str, Any], found: dict[int, discovery.Found]) -> Snapshot:
+    """Snapshot the namespace and the objects `found` in it."""
+    modules = {
+        id(sub): sub
+        for entry in discovery.of_type(found, torch.nn.Module)
+        for sub in entry.obj.modules()
+    }
+    generators = [entry.obj for entry in discovery.of_type(found, torch.Generator)]
+    for entry in discovery.of_type(found, torch.utils.data.DataLoader):
+        for owner in (entry.obj, getattr(entry.obj, "sampler", None)):
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator):
+                generators.append(generator)
+    stateful_types = (torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
+    return Snapshot(
+        namespace=namespace,
+        bindings={k: v for k, v in namespace.items() if not k.startswith("_")},
+        tensors=[_TensorState.of(t) for t in _tensors_of(found)],
+        training_flags=[(m, m.training) for m in modules.values()],
+        optimizers=[
+            _OptimizerState.of(e.obj) for e in discovery.of_type(found, torch.optim.Optimizer)
+        ],
+        stateful=[
+            _StateDictObject.of(e.obj) for e in found.values() if isinstance(e.obj, stateful_types)
+        ],
+        rng=_RNGState.capture(generators),
+    )
+
+
+def available_memory_bytes() -> int | None:
+    """Free host memory (MemAvailable), or None where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,100 @@
+"""The cell as something that can be run again and again: compiled source + namespace."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import itertools
+import linecache
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_counter = itertools.count(1)
+
+
+class CellError(Exception):
+    """The user's cell raised; `original` is their exception, shown with its own traceback."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(str(original))
+        self.original = original
+
+
+def synchronize() -> None:
+    """Wait for queued device work, so a timed run includes it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def silenced() -> Iterator[None]:
+    """Swallow what the extra measuring runs print: the user saw it once, in the probe run."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
+@dataclass
+class Workload:
+    """The cell source and the namespace it runs in."""
+
+    source: str
+    namespace: dict[str, Any]
+    filename: str = field(default="")
+    _compiled: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.filename:
+            self.filename = f"<perfcheck-cell-{next(_counter)}>"
+        self.tree = ast.parse(self.source, self.filename)  # SyntaxError surfaces before any run
+
+    def code_for(self, source: str | None = None) -> Any:
+        """Compile (once per distinct text); registered in linecache so tracebacks show lines."""
+        source = self.source if source is None else source
+        code = self._compiled.get(source)
+        if code is None:
+            filename = self.filename if source == self.source else self.fixed_filename
+            lines = source.splitlines(keepends=True)
+            linecache.cache[filename] = (len(source), None, lines, filename)
+            code = compile(source, filename, "exec")
+            self._compiled[source] = code
+        return code
+
+    def run(self, source: str | None = None) -> float:
+        """Execute the cell once; seconds of wall time, device work included."""
+        __tracebackhide__ = True
+        code = self.code_for(source)
+        synchronize()
+        start = time.perf_counter()
+        try:
+            exec(code, self.namespace)
+            synchronize()
+        except Exception as error:
+            raise CellError(error) from error
+        return time.perf_counter() - start
+
+    @property
+    def fixed_filename(self) -> str:
+        return f"{self.filename[:-1]} with fixes>"
+
+    def cell_line(self) -> int | None:
+        """The cell line executing right now (walks the stack to the cell's frame)."""
+        frame = sys._getframe(1)
+        names = (self.filename, self.fixed_filename)
+        while frame is not None:
+            if frame.f_code.co_filename in names:
+                return frame.f_lineno
+            frame = frame.f_back
+        return None
+
+    def line_text(self, line: int | None) -> str:
+        if line is None:
+            return ""
+        lines = self.source.splitlines()
+        return lines[line - 1].strip() if 0 < line <= len(lines) else ""
