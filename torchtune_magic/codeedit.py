@@ -24,6 +24,36 @@ def unified_diff(old: str, new: str) -> str:
     return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
 
+def combine(source: str, fixed_versions: list[str]) -> str:
+    """One cell with every fix's edit applied (each version was edited from `source`).
+
+    Edits are line ranges of the original; they are applied bottom-up. An edit overlapping
+    one already taken is dropped (the first wins), so the result always parses as well as
+    the individual versions do.
+    """
+    original = source.splitlines(keepends=True)
+    edits: list[tuple[int, int, list[str]]] = []
+    for version in fixed_versions:
+        new = version.splitlines(keepends=True)
+        matcher = difflib.SequenceMatcher(a=original, b=new, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag != "equal":
+                edits.append((i1, i2, new[j1:j2]))
+    taken: list[tuple[int, int, list[str]]] = []
+    for edit in edits:
+        start, end, _ = edit
+        clashes = any(
+            (start < t_end and t_start < end) or (start == end == t_start == t_end)
+            for t_start, t_end, _ in taken
+        )
+        if not clashes:
+            taken.append(edit)
+    lines = list(original)
+    for start, end, replacement in sorted(taken, key=lambda e: (e[0], e[1]), reverse=True):
+        lines[start:end] = replacement
+    return "".join(lines)
+
+
 def _indent_of(line: str) -> str:
     return line[: len(line) - len(line.lstrip())]
 

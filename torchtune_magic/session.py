@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import discovery, fixes, memory, numerics, probe, state, timing
+from . import codeedit, discovery, fixes, memory, numerics, probe, state, timing
 from .checks import Detection, registry
 from .options import Options
 from .report import NotApplicable, Report, Stats, Variant
@@ -141,6 +141,15 @@ class Session:
     @property
     def fixable(self) -> list[Detection]:
         return [d for d in self.detections if d.fix is not None]
+
+    def optimized_cell(self, check_ids: list[str] | None = None) -> str:
+        """The cell with the code changes of these findings (default: all) applied."""
+        versions = [
+            d.fixed_source
+            for d in self.detections
+            if d.fixed_source is not None and (check_ids is None or d.finding.id in check_ids)
+        ]
+        return codeedit.combine(self.workload.source, versions)
 
     # measuring ------------------------------------------------------------------------------
     def measure(self, fix_sets: list[list[str]] | None = None) -> Report:

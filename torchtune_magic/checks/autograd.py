@@ -58,7 +58,7 @@ class NoGradCheck(Check):
         names = ", ".join(sorted({obs.module_path(use.module) for use in recording}))
         lines = sorted({line for use in recording for line in use.lines})
         source = obs.workload.source
-        diff = ""
+        fixed = source
         if lines:
             first = codeedit.top_statement_at(obs.tree, lines[0])
             last = codeedit.top_statement_at(obs.tree, lines[-1])
@@ -66,7 +66,6 @@ class NoGradCheck(Check):
                 fixed = codeedit.wrap_lines(
                     source, first.lineno, last.end_lineno or last.lineno, "with torch.no_grad()"
                 )
-                diff = codeedit.unified_diff(source, fixed)
         where = f"{names}, cell {_lines_text(lines)}" if lines else names
         return [
             Detection(
@@ -83,10 +82,12 @@ class NoGradCheck(Check):
                         "never enter autograd later (e.g. to train on them)"
                     ),
                     code_change=CodeChange(
-                        diff, ["or decorate the evaluation function with @torch.no_grad()"]
+                        codeedit.unified_diff(source, fixed),
+                        ["or decorate the evaluation function with @torch.no_grad()"],
                     ),
                 ),
                 NoGradFix(),
+                fixed,
             )
         ]
 
@@ -217,6 +218,7 @@ class ZeroGradNoneCheck(Check):
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
                 fix,
+                fixed,
             )
         ]
 

@@ -16,10 +16,12 @@ GUIDE_URL = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 
 @dataclass
 class Detection:
-    """A finding and, when one exists, the live fix that goes with it."""
+    """A finding, the live fix that goes with it (if any), and the edited cell text
+    (if the permanent change edits the cell) so several changes can be combined."""
 
     finding: Finding
     fix: Fix | None = None
+    fixed_source: str | None = None
 
 
 class Check:

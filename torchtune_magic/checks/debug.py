@@ -157,6 +157,7 @@ class AnomalyCheck(Check):
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
                 AnomalyOffFix(),
+                fixed,
             )
         ]
 
@@ -261,6 +262,7 @@ class ProfilerCheck(Check):
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
                 None if obs.profiler_at_start else ProfilersOffFix(),
+                fixed,
             )
         ]
 
@@ -319,5 +321,6 @@ class GradcheckCheck(Check):
                     ),
                 ),
                 SkipGradcheckFix(),
+                fixed,
             )
         ]
