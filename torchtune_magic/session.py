@@ -95,6 +95,7 @@ class Session:
                 self._start_state = state.take(namespace, found)
         device = self.options.device or "cpu"
         self.observation = probe.run(self.workload, device)
+        self.observation.memory_asked = self.options.memory
         if self.options.device is None and _uses_cuda(self.observation):
             self.observation.device = "cuda"
         return self.observation
@@ -152,13 +153,22 @@ class Session:
         return codeedit.combine(self.workload.source, versions)
 
     # measuring ------------------------------------------------------------------------------
-    def measure(self, fix_sets: list[list[str]] | None = None) -> Report:
+    def measure(
+        self, fix_sets: list[list[str]] | None = None, *, budget_s: float | None = None
+    ) -> Report:
         """Time the baseline against fix sets (default: each fix alone and all together),
-        interleaved. Applied fixes are lifted for the duration and put back after."""
+        interleaved. Applied fixes are lifted for the duration and put back after.
+
+        `budget_s` gives this measurement its own time (a later re-time from the panel);
+        by default it gets what is left of the run's budget."""
         __tracebackhide__ = True
         configs = self._configs(fix_sets)
+        if budget_s is None:
+            budget = (self.options.budget, self._started)
+        else:
+            budget = (budget_s, time.perf_counter())
         with self._fixes_lifted(), self._state_kept():
-            variants, baseline = self._measure_configs(configs)
+            variants, baseline = self._measure_configs(configs, budget)
         self.report = self._build_report(baseline, variants)
         if self.options.json:
             self.report.write_json(self.options.json)
@@ -220,7 +230,10 @@ class Session:
                 observe()
         return seconds
 
-    def _measure_configs(self, configs: list[_Config]) -> tuple[list[Variant], Variant]:
+    def _measure_configs(
+        self, configs: list[_Config], budget: tuple[float, float]
+    ) -> tuple[list[Variant], Variant]:
+        """`budget`: (seconds, the perf_counter time they are counted from)."""
         obs = self._observed()
         outputs: dict[str, numerics.Outputs] = {}
         results: dict[str, Variant] = {}
@@ -245,10 +258,11 @@ class Session:
                     f"the cell raised with this fix: {type(original).__name__}: {original}"
                 )
             self._report_progress(0.0, f"warmed up {config.label}")
-        budget = max(0.0, self.options.budget - (time.perf_counter() - self._started))
+        seconds, counted_from = budget
+        left = max(0.0, seconds - (time.perf_counter() - counted_from))
         timed = timing.interleaved(
             {c.label: (lambda c=c: self._one_run(c)) for c in runnable},
-            budget,
+            left,
             self._report_progress,
             min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
         )
