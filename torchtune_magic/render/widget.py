@@ -47,9 +47,7 @@ def _badge(text: str, color: str = NEUTRAL) -> str:
 
 def _result_html(report: Report, variant: Variant) -> str:
     """Speedup (a slower fix says so, never shown as a win), memory and numerics badges."""
-    if variant.error:
-        color = LOSS
-    elif variant.is_slower:
+    if variant.error or variant.is_slower:
         color = LOSS
     elif variant.speedup is not None and variant.speedup > 1:
         color = WIN
@@ -237,9 +235,7 @@ class Panel:
         applied = session.applied_ids
         fix_sets = [applied, *([i] for i in applied)] if len(applied) > 1 else [applied]
         with self._busy():
-            report = session.measure(
-                fix_sets if applied else None, budget_s=session.options.budget
-            )
+            report = session.measure(fix_sets if applied else None, budget_s=session.options.budget)
         self._show(report)
         self._publish(report)
         return report
