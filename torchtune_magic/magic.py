@@ -19,7 +19,10 @@ from .report import Report
 from .session import Session
 from .workload import CellError, Workload
 
+# Every session, for `%perfcheck revert`. Panels keep theirs alive; a session that left fixes
+# applied without a panel (`--apply` with `-q`/`--no-widget`) is held here until reverted.
 _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+_holding_fixes: list[Session] = []
 
 
 def _widgets_can_render(shell: Any) -> bool:
@@ -148,6 +151,8 @@ class PerfcheckMagics(Magics):
             if panel is not None:
                 panel.close()
             raise error.original.with_traceback(error.original.__traceback__) from None
+        if session.applied_ids:
+            _holding_fixes.append(session)
         if options.quiet:
             return report
         if panel is not None:
@@ -172,6 +177,7 @@ class PerfcheckMagics(Magics):
             for session in list(_sessions):
                 reverted.extend(session.applied_ids)
                 session.revert_all()
+            _holding_fixes.clear()
             print(f"reverted: {', '.join(reverted)}" if reverted else "no fix was applied")
             return None
         raise UsageError(
@@ -187,6 +193,7 @@ def register(shell: Any) -> None:
 def unregister(shell: Any) -> None:
     for session in list(_sessions):
         session.revert_all()
+    _holding_fixes.clear()
     magics = shell.magics_manager.magics
     for kind in ("line", "cell"):
         magics[kind].pop("perfcheck", None)

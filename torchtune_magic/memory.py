@@ -8,6 +8,8 @@ allocated during the run above the start — not RSS, which glibc's caching blur
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +34,7 @@ class Profile:
     """What a profiled run yields: peak memory and the operator stream."""
 
     peak: Peak | None = None
+    peak_cpu: int = 0
     ops: list[OpEvent] = field(default_factory=list)
     op_totals: dict[str, tuple[int, float]] = field(default_factory=dict)
 
@@ -59,49 +62,77 @@ def tracked(device: str) -> Iterator[Tracker]:
 
 @contextlib.contextmanager
 def profiled(device: str) -> Iterator[Profile]:
-    """Profile the block: operator stream, op totals and peak memory."""
-    from torch.profiler import ProfilerActivity, profile
+    """Profile the block: operator stream, op totals and peak memory.
 
-    from .probe import OpEvent
+    Reads the profiler's raw event tree rather than `prof.events()`, which costs more than
+    the run itself on short cells.
+    """
+    from torch.profiler import ProfilerActivity, profile
 
     result = Profile()
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    profiler = profile(activities=activities, profile_memory=True)
-    with tracked(device) as cuda_tracker, profiler as prof:
-        yield result
-    events = prof.events()
-    result.ops = [
-        OpEvent(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total)
-        for e in events
-        if e.cpu_parent is None and e.name != "[memory]"
-    ]
-    for e in events:
-        if e.name == "[memory]":
-            continue
-        count, total = result.op_totals.get(e.name, (0, 0.0))
-        result.op_totals[e.name] = (count + 1, total + e.self_cpu_time_total)
-    if device == "cuda":
-        result.peak = cuda_tracker.peak
-    else:
-        result.peak = Peak(_cpu_peak_bytes(prof), CPU_LABEL)
+    prof = profile(activities=activities, profile_memory=True)
+    with tracked(device) as cuda_tracker:
+        with _native_stderr_silenced():
+            prof.start()
+        try:
+            yield result
+        finally:
+            with _native_stderr_silenced():
+                prof.stop()
+    _read_tree(prof.profiler.kineto_results.experimental_event_tree(), result)
+    result.peak = cuda_tracker.peak if device == "cuda" else Peak(result.peak_cpu, CPU_LABEL)
 
 
-def _cpu_peak_bytes(prof: torch.profiler.profile) -> int:
-    """Highest CPU allocator total seen during the profile, above the total at its start."""
-    from torch._C._profiler import _ExtraFields_Allocation
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Hide what the profiler's C++ side prints on start/stop (ipykernel would forward those
+    lines into the user's notebook)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
-    points: list[tuple[int, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+
+def _read_tree(roots: list, result: Profile) -> None:
+    """Top-level ops, self time per op name, and the CPU allocator's peak above its start."""
+    from torch._C._profiler import _ExtraFields_Allocation, _ExtraFields_TorchOp
+
+    from .probe import OpEvent
+
+    allocations: list[tuple[int, int, int]] = []
+
+    def op_children(node) -> list:
+        return [c for c in node.children if isinstance(c.extra_fields, _ExtraFields_TorchOp)]
+
+    stack = [(node, True) for node in roots]
     while stack:
-        node = stack.pop()
+        node, top = stack.pop()
         fields = node.extra_fields
-        if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
-            points.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
-        stack.extend(node.children)
-    if not points:
-        return 0
-    points.sort()
-    start_total = points[0][1] - points[0][2]
-    return max(0, max(total for _, total, _ in points) - start_total)
+        if isinstance(fields, _ExtraFields_Allocation):
+            if fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
+            continue
+        if not isinstance(fields, _ExtraFields_TorchOp):
+            continue
+        children = op_children(node)
+        self_us = (node.duration_time_ns - sum(c.duration_time_ns for c in children)) / 1e3
+        if top:
+            result.ops.append(
+                OpEvent(node.name, node.start_time_ns / 1e3, node.end_time_ns / 1e3, self_us)
+            )
+        count, total = result.op_totals.get(node.name, (0, 0.0))
+        result.op_totals[node.name] = (count + 1, total + self_us)
+        stack.extend((child, False) for child in node.children)
+    result.ops.sort(key=lambda op: op.start_us)
+    if allocations:
+        allocations.sort()
+        start_total = allocations[0][1] - allocations[0][2]
+        result.peak_cpu = max(0, max(total for _, total, _ in allocations) - start_total)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from . import discovery, memory
 from .fixes import Patcher
 from .workload import Workload
 
+SPAN_MARK = "perfcheck::mark#"
 PROFILER_NAMES = frozenset({"profile", "profiler", "emit_nvtx", "emit_itt", "record_function"})
 
 
@@ -37,6 +39,7 @@ class ModuleUse:
     outer_calls: int = 0  # calls not nested inside another module's forward
     lines: set[int] = field(default_factory=set)
     input_nchw_4d: int = 0  # outer calls given a 4-D contiguous (NCHW) tensor
+    input_shape: tuple[int, ...] | None = None  # first tensor argument of the first call
 
 
 @dataclass
@@ -47,6 +50,11 @@ class LoaderUse:
     batches: int = 0
     wait_s: float = 0.0
     lines: set[int] = field(default_factory=set)
+    built_in_cell: bool = False  # constructed during the run (so each run makes a new one)
+    built_line: int | None = None  # the cell line that constructed it, if built in the cell
+    device_copies: int = 0  # batch tensors copied host -> CUDA device
+    non_blocking_copies: int = 0
+    copy_lines: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -68,6 +76,17 @@ class OpEvent:
     start_us: float
     end_us: float
     self_us: float
+
+
+@dataclass
+class Scope:
+    """A span in which a module's forward or a user function ran, on the profiler's clock
+    (µs), so a check can tell which code issued the ops inside it."""
+
+    kind: str  # "module" | "function"
+    obj: Any  # the module, or the function's code object
+    start_us: float
+    end_us: float
 
 
 @dataclass
@@ -95,8 +114,11 @@ class Observation:
     loaders: dict[int, LoaderUse] = field(default_factory=dict)
     ops: list[OpEvent] | None = None
     op_totals: dict[str, tuple[int, float]] = field(default_factory=dict)  # name: (count, µs)
+    scopes: list[Scope] = field(default_factory=list)  # recorded only when ops are
+    memory_asked: bool = False  # the user asked about memory (--memory)
     peak_memory: memory.Peak | None = None
     found: dict[int, discovery.Found] = field(default_factory=dict)
+    preexisting: set[int] = field(default_factory=set)  # ids in `found` before the cell ran
     device: str = "cpu"
 
     @property
@@ -124,8 +146,15 @@ class _Recorder:
         self.depth = 0
         self.producers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.iterators: dict[int, DataLoader] = {}
+        self.built_loaders: dict[int, int | None] = {}  # id -> cell line, built during the run
+        self.batch_tensors: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.watched_params: dict[int, torch.Tensor] = {}
         self.own_profiler = False  # our profiler is on: `_profiler_enabled()` is no evidence
+        # spans as pairs of marker numbers; the markers' profiler times become Scope times
+        self.marks = 0
+        self.module_starts: dict[int, list[int]] = {}
+        self.function_starts: dict[Any, int] = {}
+        self.spans: list[tuple[str, Any, int, int]] = []
 
     def line(self) -> int | None:
         return self.obs.workload.cell_line()
@@ -147,6 +176,12 @@ class _Recorder:
                 use.input_nchw_4d += 1
             for param in module.parameters():
                 self.watched_params.setdefault(id(param), param)
+        if use.input_shape is None:
+            use.input_shape = next(
+                (tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), None
+            )
+        if self.own_profiler:
+            self.module_starts.setdefault(id(module), []).append(self.mark())
         if torch.is_anomaly_enabled():
             self.obs.forward_with_anomaly += 1
         if torch.autograd._profiler_enabled() and not self.own_profiler:
@@ -161,8 +196,41 @@ class _Recorder:
 
     def forward_post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self.depth = max(0, self.depth - 1)
+        starts = self.module_starts.get(id(module))
+        if starts:
+            self.spans.append(("module", module, starts.pop(), self.mark()))
         if isinstance(output, torch.Tensor):
             self.producers[id(output)] = (weakref.ref(output), id(module))
+
+    def function_event(self, frame: Any, event: str, arg: Any) -> None:
+        """sys.setprofile callback: spans of Python functions defined in the user's namespace
+        (earlier cells, their classes and closures), not the cell's own top-level code."""
+        if frame.f_globals is not self.obs.workload.namespace:
+            return
+        if frame.f_code.co_name.startswith("<"):
+            return
+        if event == "call":
+            self.function_starts[frame] = self.mark()
+        elif event == "return":
+            start = self.function_starts.pop(frame, None)
+            if start is not None:
+                self.spans.append(("function", frame.f_code, start, self.mark()))
+
+    def mark(self) -> int:
+        """An empty profiler event in the op stream: spans bounded by these line up with
+        the ops exactly (Python's clock and the profiler's drift apart by 100 µs or so)."""
+        number = self.marks
+        self.marks += 1
+        with torch.profiler.record_function(f"{SPAN_MARK}{number}"):
+            pass
+        return number
+
+    def scopes(self, marks: dict[int, float]) -> list[Scope]:
+        return [
+            Scope(kind, obj, marks[start], marks[end])
+            for kind, obj, start, end in self.spans
+            if start in marks and end in marks
+        ]
 
     # wrappers -----------------------------------------------------------------------------
     def backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -202,11 +270,22 @@ class _Recorder:
             for param in group["params"]:
                 self.watched_params.setdefault(id(param), param)
 
+    def loader_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded_init(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
+            self.built_loaders[id(loader)] = self.line()
+            original(loader, *args, **kwargs)
+
+        return recorded_init
+
     def loader_iter(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def recorded_iter(loader: DataLoader) -> Any:
             iterator = original(loader)
             self.iterators[id(iterator)] = loader
-            use = self.obs.loaders.setdefault(id(loader), LoaderUse(loader))
+            use = self.obs.loaders.get(id(loader))
+            if use is None:
+                use = self.obs.loaders[id(loader)] = LoaderUse(loader)
+                use.built_in_cell = id(loader) in self.built_loaders
+                use.built_line = self.built_loaders.get(id(loader))
             line = self.line()
             if line is not None:
                 use.lines.add(line)
@@ -217,16 +296,43 @@ class _Recorder:
     def loader_next(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def recorded_next(iterator: Any) -> Any:
             start = time.perf_counter()
+            batch = None
             try:
-                return original(iterator)
+                batch = original(iterator)
+                return batch
             finally:
                 loader = self.iterators.get(id(iterator))
                 if loader is not None:
                     use = self.obs.loaders[id(loader)]
                     use.wait_s += time.perf_counter() - start
                     use.batches += 1
+                    for tensor in _batch_tensors(batch):
+                        self.batch_tensors[id(tensor)] = (weakref.ref(tensor), id(loader))
 
         return recorded_next
+
+    def tensor_copy(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Tensor.to / Tensor.cuda: count host-to-CUDA copies of loader batches."""
+
+        def recorded_copy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            result = original(tensor, *args, **kwargs)
+            known = self.batch_tensors.get(id(tensor))
+            if (
+                known is not None
+                and known[0]() is tensor
+                and isinstance(result, torch.Tensor)
+                and result.is_cuda
+                and not tensor.is_cuda
+            ):
+                use = self.obs.loaders[known[1]]
+                use.device_copies += 1
+                use.non_blocking_copies += bool(kwargs.get("non_blocking", False))
+                line = self.line()
+                if line is not None:
+                    use.copy_lines.add(line)
+            return result
+
+        return recorded_copy
 
     def timed_call(self, kind: str, sink: list[CallSite], original: Callable[..., Any]):
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -237,6 +343,18 @@ class _Recorder:
                 sink.append(CallSite(kind, self.line(), seconds=time.perf_counter() - start))
 
         return recorded
+
+
+def _batch_tensors(batch: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors in a collated batch (tensor, or tuple/list/dict of them, a few deep)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif depth and isinstance(batch, (tuple, list)):
+        for item in batch[:64]:
+            yield from _batch_tensors(item, depth - 1)
+    elif depth and isinstance(batch, dict):
+        for item in list(batch.values())[:64]:
+            yield from _batch_tensors(item, depth - 1)
 
 
 def _is_nchw_4d(value: Any) -> bool:
@@ -274,17 +392,35 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
         patcher.setattr(torch.autograd, "backward", recorder.backward(torch.autograd.backward))
         for owner in (torch.optim.Optimizer, torch.nn.Module):
             patcher.setattr(owner, "zero_grad", recorder.zero_grad(owner.zero_grad))
+        patcher.setattr(DataLoader, "__init__", recorder.loader_init(DataLoader.__init__))
         patcher.setattr(DataLoader, "__iter__", recorder.loader_iter(DataLoader.__iter__))
+        for name in ("to", "cuda"):
+            patcher.setattr(torch.Tensor, name, recorder.tensor_copy(getattr(torch.Tensor, name)))
         patcher.setattr(
             _BaseDataLoaderIter, "__next__", recorder.loader_next(_BaseDataLoaderIter.__next__)
         )
         _patch_gradcheck(patcher, recorder, namespace)
         _patch_profiler_entries(patcher, recorder)
-        yield
+        with _function_spans(recorder):
+            yield
     finally:
         for handle in handles:
             handle.remove()
         patcher.undo()
+
+
+@contextlib.contextmanager
+def _function_spans(recorder: _Recorder) -> Iterator[None]:
+    """Record user-function spans while our profiler runs, unless a profile function of
+    someone else's (cProfile, a debugger) is installed: that one is left alone."""
+    if not recorder.own_profiler or sys.getprofile() is not None:
+        yield
+        return
+    sys.setprofile(recorder.function_event)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
 
 
 def _patch_gradcheck(patcher: Patcher, recorder: _Recorder, namespace: dict[str, Any]) -> None:
@@ -323,6 +459,7 @@ def run(workload: Workload, device: str, *, use_profiler: bool | None = None) ->
     __tracebackhide__ = True
     obs = Observation(workload, device=device)
     obs.found = discovery.walk(workload.namespace)
+    obs.preexisting = set(obs.found)
     obs.anomaly_at_start = torch.is_anomaly_enabled()
     obs.profiler_at_start = bool(torch.autograd._profiler_enabled())
     if use_profiler is None:
@@ -334,7 +471,18 @@ def run(workload: Workload, device: str, *, use_profiler: bool | None = None) ->
     if use_profiler:
         with memory.profiled(device) as profile, _instrumented(recorder, workload.namespace):
             obs.wall_s = workload.run()
-        obs.ops, obs.op_totals = profile.ops, profile.op_totals
+        marks = {
+            int(op.name[len(SPAN_MARK) :]): op.start_us
+            for op in profile.ops
+            if op.name.startswith(SPAN_MARK)
+        }
+        obs.ops = [op for op in profile.ops if not op.name.startswith(SPAN_MARK)]
+        obs.op_totals = {
+            name: total
+            for name, total in profile.op_totals.items()
+            if not name.startswith(SPAN_MARK)
+        }
+        obs.scopes = recorder.scopes(marks)
         obs.peak_memory = profile.peak
     else:
         with memory.tracked(device) as tracker, _instrumented(recorder, workload.namespace):

@@ -29,7 +29,9 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _write_into(target: torch.Tensor, saved: torch.Tensor) -> None:
-    with torch.no_grad():
+    # Inference tensors (made under inference_mode) can only be written inside it.
+    mode = torch.inference_mode() if target.is_inference() else torch.no_grad()
+    with mode:
         if target.shape == saved.shape and target.dtype == saved.dtype:
             target.copy_(saved)
         else:  # the run replaced the storage (e.g. `p.data = ...`): put the old one back

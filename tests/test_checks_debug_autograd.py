@@ -1,0 +1,149 @@
+"""The first five checks: where they fire (with evidence), where they must stay silent,
+and that every live fix round-trips exactly."""
+
+from __future__ import annotations
+
+import torch
+from workloads import namespace_with
+
+from torchtune_magic import perfcheck
+from torchtune_magic.options import Options
+from torchtune_magic.session import Session
+from torchtune_magic.workload import Workload
+
+PROFILED = """\
+with torch.profiler.profile() as prof:
+    for step in range(4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(X), Y).backward()
+        opt.step()
+summary = prof.key_averages().table(row_limit=3)
+"""
+
+GRADCHECKED = """\
+for step in range(3):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(X), Y)
+    loss.backward()
+    opt.step()
+    probe_input = torch.randn(12, 12, dtype=torch.double, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: (t.sin() @ t).tanh().sum(), (probe_input,))
+"""
+
+
+def _session(cell: str, ns: dict, **options) -> Session:
+    session = Session(Workload(cell, ns), Options(**options))
+    session.probe()
+    session.detect()
+    return session
+
+
+def test_profiler_in_the_cell_is_found_and_the_fix_keeps_the_cell_running():
+    ns = namespace_with()
+    report = perfcheck(PROFILED, ns, budget=2, checks="debug-profiler")
+    (finding,) = report.findings
+    assert "torch.profiler.profile started 1 time(s)" in finding.evidence
+    assert finding.where == "cell line 1"
+    assert "-with torch.profiler.profile() as prof:" in finding.code_change.diff
+    variant = report.variant_for(["debug-profiler"])
+    assert variant.error is None and variant.speedup is not None
+    assert isinstance(ns["summary"], str)  # the cell's own profiler result, as after one run
+
+
+def test_profiler_started_in_an_earlier_cell_is_found_but_not_live_fixable():
+    ns = namespace_with()
+    prof = torch.autograd.profiler.profile()
+    prof.__enter__()
+    try:
+        report = perfcheck("y = model(X).sum()", ns, budget=1, checks="debug-profiler")
+    finally:
+        prof.__exit__(None, None, None)
+    (finding,) = report.findings
+    assert finding.where == "before this cell"
+    assert finding.fixable is False
+    assert "prof.stop()" in " ".join(finding.code_change.elsewhere)
+
+
+def test_gradcheck_in_the_loop_is_found_with_its_share_of_time():
+    ns = namespace_with()
+    report = perfcheck(GRADCHECKED, ns, budget=2, checks="debug-gradcheck")
+    (finding,) = report.findings
+    assert finding.evidence.startswith("gradcheck ran 3 time(s)")
+    assert finding.evidence.endswith("%)")  # its share of the cell's time
+    assert finding.where == "cell line 7"
+    variant = report.variant_for(["debug-gradcheck"])
+    assert variant.speedup is not None and variant.speedup > 1.0  # gradcheck dominates ~10x
+
+
+def test_gradcheck_outside_the_cell_work_is_silent():
+    ns = namespace_with()
+    probe_input = torch.randn(2, dtype=torch.double, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: t.sin().sum(), (probe_input,))
+    report = perfcheck(
+        "loss = model(X).sum()\nloss.backward()", ns, budget=1, checks="debug-gradcheck"
+    )
+    assert report.findings == []
+
+
+def test_no_grad_hides_behind_a_user_class_and_is_silent_when_already_off():
+    ns = namespace_with()
+    exec(
+        "class Evaluator:\n"
+        "    def __init__(self, net):\n"
+        "        self.net = net\n"
+        "    def score(self, batch):\n"
+        "        return self.net(batch).mean()\n"
+        "evaluator = Evaluator(model)\n",
+        ns,
+    )
+    report = perfcheck("s = evaluator.score(X)", ns, budget=1)
+    assert [f.id for f in report.findings] == ["no-grad"]
+    assert report.findings[0].where == "model, cell line 1"
+    quiet = perfcheck("with torch.no_grad():\n    s = evaluator.score(X)", ns, budget=1)
+    assert quiet.findings == []
+
+
+def test_manual_in_place_grad_zeroing_is_found_and_edited():
+    ns = namespace_with()
+    cell = (
+        "for step in range(4):\n"
+        "    for p in model.parameters():\n"
+        "        if p.grad is not None:\n"
+        "            p.grad.zero_()\n"
+        "    torch.nn.functional.mse_loss(model(X), Y).backward()\n"
+        "    opt.step()\n"
+    )
+    session = _session(cell, ns, budget=1)
+    (detection,) = [d for d in session.detections if d.finding.id == "zero-grad-none"]
+    assert detection.finding.fixable
+    assert "+            p.grad = None" in detection.finding.code_change.diff
+    assert "p.grad = None" in detection.fix.edit_source(cell)
+    report = session.measure()
+    assert report.variant_for(["zero-grad-none"]).error is None
+
+
+def test_each_fix_round_trips_and_fixes_compose_in_any_order():
+    cell = (
+        "torch.autograd.set_detect_anomaly(True)\n"
+        "for step in range(3):\n"
+        "    opt.zero_grad(set_to_none=False)\n"
+        "    torch.nn.functional.mse_loss(model(X), Y).backward()\n"
+        "    opt.step()\n"
+    )
+    ns = namespace_with()
+    session = _session(cell, ns, budget=1)
+    torch.autograd.set_detect_anomaly(True)  # as the cell leaves it
+    names = {k: v for k, v in ns.items() if not k.startswith("__")}
+    ids = [d.finding.id for d in session.fixable]
+    assert ids == ["debug-anomaly", "zero-grad-none"]
+    for order in (ids, list(reversed(ids))):
+        for check_id in order:
+            session.apply(check_id)
+        assert not torch.is_anomaly_enabled()
+        assert "zero_grad" in vars(ns["opt"])
+        for check_id in reversed(order):
+            session.undo(check_id)
+        assert torch.is_anomaly_enabled()
+        assert "zero_grad" not in vars(ns["opt"])
+        assert all(ns[k] is v for k, v in names.items())
+    torch.autograd.set_detect_anomaly(False)

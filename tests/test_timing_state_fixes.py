@@ -1,0 +1,91 @@
+"""Timing statistics and interleaving, the state guard, and exact undo."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from torchtune_magic import discovery, state, timing
+from torchtune_magic.fixes import Patcher
+
+
+def test_interleaved_runs_alternate_and_stop_within_budget():
+    order: list[str] = []
+
+    def runner(label: str, seconds: float):
+        def run() -> float:
+            order.append(label)
+            return seconds
+
+        return run
+
+    results = timing.interleaved({"a": runner("a", 1.0), "b": runner("b", 0.5)}, budget_s=0.5)
+    assert results["a"].runs == results["b"].runs >= timing.MIN_ROUNDS
+    assert order[:4] == ["a", "b", "b", "a"]  # the start rotates each round
+    assert results["a"].median == 1.0 and results["b"].iqr == 0.0
+
+
+def test_measurement_flags_noise_and_one_time_cost():
+    m = timing.Measurement("x", [1.0, 1.0, 1.5, 2.0, 1.0], warmup_s=3.0)
+    assert m.median == 1.0 and m.noisy
+    assert m.one_time_s == 2.0
+    assert timing.Measurement("y", [1.0, 1.0], warmup_s=1.001).one_time_s is None
+
+
+def test_snapshot_restores_values_into_the_same_objects():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    loose = torch.zeros(3)
+    ns = {"model": model, "opt": opt, "loose": loose}
+    snap = state.take(ns, discovery.walk(ns))
+    weight = model.weight.detach().clone()
+    rng = (torch.get_rng_state(), random.random(), np.random.rand())
+
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    loose += 1
+    ns["new_name"] = 5
+    ns["model"] = torch.nn.Linear(3, 2)
+    snap.restore()
+
+    assert ns["model"] is model and "new_name" not in ns
+    assert torch.equal(model.weight, weight) and model.weight.grad is None
+    assert len(opt.state) == 0 and torch.equal(loose, torch.zeros(3))
+    assert torch.equal(torch.get_rng_state(), rng[0])
+    assert random.random() == rng[1] and np.random.rand() == rng[2]
+
+
+def test_discovery_finds_objects_behind_user_objects_closures_and_containers():
+    model = torch.nn.Linear(2, 2)
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.parts = {"net": model}
+
+    def make_step():
+        def step():
+            return model
+
+        return step
+
+    found = discovery.walk({"trainer": Trainer(), "step": make_step(), "models": [model]})
+    paths = {str(loc) for loc in found[id(model)].locations}
+    assert paths == {"trainer.parts['net']", "step<closure 0>", "models[0]"}
+
+
+def test_patcher_undo_is_exact_even_for_instance_attributes():
+    class Box:
+        def method(self) -> str:
+            return "class"
+
+    box, ns = Box(), {"a": 1}
+    patcher = Patcher()
+    patcher.setattr(box, "method", lambda: "patched")
+    patcher.setitem(ns, "a", 2)
+    patcher.setitem(ns, "b", 3)
+    assert box.method() == "patched" and ns == {"a": 2, "b": 3}
+    patcher.undo()
+    assert "method" not in vars(box) and box.method() == "class"
+    assert ns == {"a": 1}

@@ -1,0 +1,358 @@
+"""Chains of elementwise ops that a compiler would fuse into one kernel.
+
+Guide: "Fuse pointwise operations" — each eager elementwise op reads and writes the whole
+tensor and pays a dispatch; `torch.compile` (the guide's older spelling: `torch.jit.script`)
+fuses a chain of them into one kernel. Evidence is the profiler's op stream: runs of
+consecutive pointwise ops, attributed to the module or user function that issued them by the
+probe's scope spans, so the fix compiles exactly that object and rebinds it where it lives.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import codeedit, discovery
+from ..fixes import Fix, FixError, Patcher
+from ..report import CodeChange
+from .base import Check, Detection
+
+if TYPE_CHECKING:
+    from ..probe import Observation, OpEvent, Scope
+
+MIN_SHARE = 0.15  # pointwise chains must take this share of the cell's time
+MIN_RUN = 3  # ops in a row before a chain counts
+TOLERANCE = 1e-4  # compiled float math may reassociate: "close" within this
+MAX_TARGETS = 3
+
+POINTWISE = frozenset(
+    "abs add addcdiv addcmul clamp clamp_min clamp_max cos cosh div erf erfc exp exp2 expm1 "
+    "gelu hardsigmoid hardswish hardtanh leaky_relu lerp log log1p log2 logical_and "
+    "logical_not logical_or maximum minimum mish mul neg pow reciprocal relu rsqrt rsub "
+    "sigmoid sign silu sin sinh softplus sqrt square sub tan tanh threshold where".split()
+)
+# Ops that neither break a chain nor count towards it: views and bookkeeping.
+NEUTRAL = frozenset(
+    "alias as_strided detach empty empty_like expand permute reshape squeeze t transpose "
+    "unsqueeze view".split()
+)
+_BACKWARD = re.compile(r"evaluate_function: (\w+?)Backward\d+$")
+
+
+def _base_name(name: str) -> str:
+    """`aten::mul_` → `mul`; `autograd::engine::evaluate_function: TanhBackward0` → `tanh`."""
+    backward = _BACKWARD.search(name)
+    if backward:
+        return backward.group(1).lower()
+    return name.rsplit("::", 1)[-1].rstrip("_")
+
+
+@dataclass
+class Chain:
+    """Consecutive pointwise ops in the stream."""
+
+    ops: list[OpEvent] = field(default_factory=list)
+
+    @property
+    def start_us(self) -> float:
+        return self.ops[0].start_us
+
+    @property
+    def end_us(self) -> float:
+        return self.ops[-1].end_us
+
+    @property
+    def busy_us(self) -> float:
+        return sum(op.end_us - op.start_us for op in self.ops)
+
+
+def chains(ops: list[OpEvent]) -> list[Chain]:
+    """Runs of at least MIN_RUN pointwise ops; views in between do not break a run."""
+    found: list[Chain] = []
+    current = Chain()
+    for op in ops:
+        base = _base_name(op.name)
+        if base in NEUTRAL:
+            continue
+        if base in POINTWISE:
+            current.ops.append(op)
+            continue
+        if len(current.ops) >= MIN_RUN:
+            found.append(current)
+        current = Chain()
+    if len(current.ops) >= MIN_RUN:
+        found.append(current)
+    return found
+
+
+@dataclass
+class Target:
+    """What to compile: a user function (rebound where it lives) or a model (in place)."""
+
+    label: str
+    function: types.FunctionType | None = None
+    locations: list[discovery.Location] = field(default_factory=list)
+    module: torch.nn.Module | None = None
+    cell_def: ast.FunctionDef | None = None  # a def in the cell itself: decorate it
+    cell_assign: ast.stmt | None = None  # the cell (re)builds the model: compile after it
+    busy_us: float = 0.0
+    chains: int = 0
+
+
+def _function_locations(
+    namespace: dict[str, Any], code: types.CodeType
+) -> tuple[types.FunctionType | None, list[discovery.Location], bool]:
+    """Functions with this code reachable from the namespace: by name, as class attributes,
+    in closure cells (factories) and on user objects. The bool says a location is a method of
+    an nn.Module subclass (then the module, not the method, is compiled)."""
+    Step, Location = discovery.Step, discovery.Location
+    hits: list[tuple[types.FunctionType, Location]] = []
+    on_module = False
+    seen: set[int] = set()
+    frontier: list[tuple[tuple[discovery.Step, ...], Any]] = [
+        ((Step("name", k),), v) for k, v in namespace.items() if not k.startswith("_")
+    ]
+    for _depth in range(3):
+        following = []
+        for path, value in frontier:
+            if id(value) in seen or isinstance(value, (types.ModuleType, torch.Tensor)):
+                continue
+            seen.add(id(value))
+            if isinstance(value, types.FunctionType):
+                if value.__code__ is code:
+                    hits.append((value, Location(path)))
+                for index, cell in enumerate(value.__closure__ or ()):
+                    try:
+                        following.append(((*path, Step("cell", index)), cell.cell_contents))
+                    except ValueError:  # an empty cell
+                        continue
+            elif isinstance(value, type):
+                if value.__module__.split(".")[0] == "torch":
+                    continue
+                for key, item in vars(value).items():
+                    if isinstance(item, types.FunctionType) and item.__code__ is code:
+                        if issubclass(value, torch.nn.Module):
+                            on_module = True
+                        else:
+                            hits.append((item, Location((*path, Step("attr", key)))))
+            elif hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module):
+                if type(value).__module__.split(".")[0] in ("torch", "IPython", "ipykernel"):
+                    continue
+                for key, item in list(vars(value).items())[:256]:
+                    following.append(((*path, Step("attr", key)), item))
+        frontier = following
+    functions = {id(f): f for f, _ in hits}
+    if len(functions) != 1:  # several closures from one factory: compile each? ambiguous
+        return None, [], on_module
+    return hits[0][0], [loc for _, loc in hits], on_module
+
+
+def _cell_assignment(tree: ast.Module, name: str) -> ast.stmt | None:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return node
+    return None
+
+
+class _Resolver:
+    """Turns scopes into targets, once per scope object."""
+
+    def __init__(self, obs: Observation):
+        self.obs = obs
+        self.targets: dict[int, Target] = {}
+        self.failed: set[int] = set()
+
+    def target(self, scope: Scope) -> Target | None:
+        key = id(scope.obj)
+        if key in self.failed:
+            return None
+        if key not in self.targets:
+            made = self._function(scope.obj) if scope.kind == "function" else self._model(scope)
+            if made is None:
+                self.failed.add(key)
+                return None
+            existing = next((t for t in self.targets.values() if t.label == made.label), None)
+            self.targets[key] = existing or made
+        return self.targets[key]
+
+    def _function(self, code: types.CodeType) -> Target | None:
+        workload = self.obs.workload
+        if code.co_filename == workload.filename:
+            for node in ast.walk(workload.tree):
+                if isinstance(node, ast.FunctionDef) and node.lineno == code.co_firstlineno:
+                    return Target(node.name, cell_def=node)
+            return None
+        function, locations, on_module = _function_locations(workload.namespace, code)
+        if function is None or on_module:
+            return None
+        locations = [loc for loc in locations if loc.rebindable]
+        return Target(str(locations[0]), function, locations) if locations else None
+
+    def _model(self, scope: Scope) -> Target | None:
+        for entry in discovery.top_level_modules(self.obs.found):
+            if not any(sub is scope.obj for sub in entry.obj.modules()):
+                continue
+            if not entry.locations:
+                return None
+            name = str(entry.locations[0])
+            assign = _cell_assignment(self.obs.tree, name) if "." not in name else None
+            return Target(name, module=entry.obj, cell_assign=assign)
+        return None
+
+
+def _innermost_first(scopes: list[Scope], chain: Chain) -> Iterator[Scope]:
+    around = [s for s in scopes if s.start_us <= chain.start_us and s.end_us >= chain.end_us]
+    yield from sorted(around, key=lambda s: s.end_us - s.start_us)
+
+
+class CompileFix(Fix):
+    """torch.compile the functions/models that issue the chains.
+
+    Functions are rebound at every place they live (undo puts the original object back);
+    models are compiled in place as `nn.Module.compile()` does, so the name, the optimizer's
+    parameters and state_dict keys are untouched. The compiled objects are cached here, so
+    compiling happens once, in the session's warm-up run, and is reported as one-time cost.
+    """
+
+    check_id = "fuse-pointwise"
+    tolerance = TOLERANCE
+
+    def __init__(self, targets: list[Target]):
+        super().__init__()
+        self.targets = targets
+        self._compiled: dict[int, Any] = {}
+
+    def _compile(self, key: int, build: Any) -> Any:
+        if key not in self._compiled:
+            self._compiled[key] = build()
+        return self._compiled[key]
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        for target in self.targets:
+            if target.module is not None and target.cell_assign is None:
+                module = target.module
+                compiled = self._compile(id(module), lambda m=module: torch.compile(m._call_impl))
+                patcher.setattr(module, "_compiled_call_impl", compiled)
+            elif target.function is not None:
+                original = target.function
+                compiled = self._compile(id(original), lambda f=original: torch.compile(f))
+                for location in target.locations:
+                    if location.get(namespace) is not original:
+                        raise FixError(self.check_id, f"{location} was redefined since the probe")
+                    patcher.call(
+                        lambda loc=location: loc.set(namespace, compiled),
+                        lambda loc=location: loc.set(namespace, original),
+                    )
+
+    def edit_source(self, source: str) -> str:
+        return _edited_source(source, self.targets)
+
+
+def _edited_source(source: str, targets: list[Target]) -> str:
+    """Decorate defs made in the cell; compile models right after the cell builds them."""
+    lines = source.splitlines(keepends=True)
+    inserts: list[tuple[int, str]] = []  # (0-based line to insert before, text)
+    for target in targets:
+        if target.cell_def is not None:
+            node = target.cell_def
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+            indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+            inserts.append((first, f"{indent}@torch.compile\n"))
+        elif target.cell_assign is not None:
+            end = target.cell_assign.end_lineno or target.cell_assign.lineno
+            inserts.append((end, f"{target.label}.compile()\n"))
+    if inserts and lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    for index, text in sorted(inserts, reverse=True):
+        lines.insert(index, text)
+    return "".join(lines)
+
+
+def _elsewhere(target: Target) -> str | None:
+    if target.cell_def is not None or target.cell_assign is not None:
+        return None
+    if target.module is not None:
+        return (
+            f"where `{target.label}` is built: {target.label}.compile()  "
+            f"(or {target.label} = torch.compile({target.label}))"
+        )
+    assert target.function is not None
+    name = target.function.__qualname__
+    if "<locals>" in name:
+        return (
+            f"wrap the function the factory returns: {target.label} = "
+            f"torch.compile({name.split('.<locals>')[0]}(...)), or decorate the inner def"
+        )
+    return f"decorate `def {name}` (defined in an earlier cell) with @torch.compile"
+
+
+class FusePointwiseCheck(Check):
+    id = "fuse-pointwise"
+    title = "Chains of elementwise ops run one kernel each"
+    guide = "Fuse pointwise operations"
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        if not obs.ops or obs.wall_s <= 0:
+            return []
+        found = chains(obs.ops)
+        busy = sum(c.busy_us for c in found)
+        share = busy / (obs.wall_s * 1e6)
+        if share < MIN_SHARE:
+            return []
+        resolver = _Resolver(obs)
+        unattributed = 0.0
+        for chain in found:
+            target = next(
+                (t for s in _innermost_first(obs.scopes, chain) if (t := resolver.target(s))),
+                None,
+            )
+            if target is None:
+                unattributed += chain.busy_us
+                continue
+            target.busy_us += chain.busy_us
+            target.chains += 1
+        unique = {id(t): t for t in resolver.targets.values() if t.chains}
+        targets = sorted(unique.values(), key=lambda t: -t.busy_us)[:MAX_TARGETS]
+        longest = max(found, key=lambda c: len(c.ops))
+        names = ", ".join(_base_name(op.name) for op in longest.ops[:8])
+        evidence = (
+            f"{len(found)} chains of ≥{MIN_RUN} consecutive elementwise ops took "
+            f"{busy / 1e3:.1f} ms of the cell's {obs.wall_s * 1e3:.1f} ms ({share:.0%}); "
+            f"longest: {len(longest.ops)} ops ({names}{', …' if len(longest.ops) > 8 else ''})"
+        )
+        if targets:
+            evidence += "; issued by " + ", ".join(
+                f"{t.label} ({t.busy_us / 1e3:.1f} ms)" for t in targets
+            )
+        if unattributed:
+            evidence += f"; {unattributed / 1e3:.1f} ms from the cell's own top-level code"
+        source = obs.workload.source
+        fixed = _edited_source(source, targets)
+        elsewhere = [text for t in targets if (text := _elsewhere(t))]
+        if unattributed:
+            elsewhere.append("move the cell's elementwise math into a function and compile it")
+        return [
+            Detection(
+                self.finding(
+                    evidence=evidence,
+                    where=", ".join(t.label for t in targets) or "the cell's top-level code",
+                    fixable=bool(targets),
+                    caveat=(
+                        "compiling costs seconds once (reported as one-time cost, with the "
+                        "runs needed to pay it back); compiled float math may differ in the "
+                        f"last bits, so numerics are 'close' within {TOLERANCE:g}, not identical"
+                    ),
+                    code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
+                ),
+                CompileFix(targets) if targets else None,
+                fixed if fixed != source else None,
+            )
+        ]

@@ -1,0 +1,205 @@
+"""Conv2d models fed NCHW-contiguous inputs: the channels_last memory format.
+
+Guide: "Use channels_last memory format for computer vision models" — convolution kernels
+(oneDNN on CPU, cuDNN with Tensor Cores on GPU) often prefer NHWC, and converting the model
+and its inputs avoids layout reorders inside each conv. It also regresses some models, so
+the check times every conv both ways and names the ones that get slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..fixes import Fix, Patcher
+from ..report import CodeChange
+from .base import Check, Detection
+
+if TYPE_CHECKING:
+    from ..probe import Observation
+
+MAX_CONVS = 16  # convs micro-timed per model
+MICRO_BUDGET_S = 1.5  # wall time for all of a model's per-conv timing
+REGRESSION = 1.1  # a conv this much slower in channels_last is named
+
+
+def _to_channels_last(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(
+        a.contiguous(memory_format=torch.channels_last)
+        if isinstance(a, torch.Tensor) and a.dim() == 4
+        else a
+        for a in args
+    )
+
+
+def _channels_last_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook: the cell keeps passing NCHW tensors; the model sees NHWC."""
+    return _to_channels_last(args)
+
+
+class ChannelsLastFix(Fix):
+    """4-D parameters, grads and buffers become channels_last in place (same tensor objects,
+    new storage); a pre-hook converts 4-D inputs. Undo copies the current values back into
+    the original storage and puts it back, so strides, storage and values are as before."""
+
+    check_id = "channels-last"
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for tensor in tensors:
+            if tensor.dim() != 4 or tensor.is_contiguous(memory_format=torch.channels_last):
+                continue
+            original = tensor.data
+
+            def convert(t: torch.Tensor = tensor, data: torch.Tensor = original) -> None:
+                t.data = data.contiguous(memory_format=torch.channels_last)
+
+            def restore(t: torch.Tensor = tensor, data: torch.Tensor = original) -> None:
+                with torch.no_grad():
+                    if t.data.shape == data.shape and t.data.data_ptr() != data.data_ptr():
+                        data.copy_(t.data)
+                t.data = data
+
+            patcher.call(convert, restore)
+        handle: list[Any] = []
+        patcher.call(
+            lambda: handle.append(self.model.register_forward_pre_hook(_channels_last_inputs)),
+            lambda: handle.pop().remove(),
+        )
+
+
+@dataclass
+class ConvTiming:
+    path: str
+    nchw_s: float
+    nhwc_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.nhwc_s / self.nchw_s if self.nchw_s else 1.0
+
+
+def _best_of(run: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def conv_timings(obs: Observation, convs: list[torch.nn.Conv2d]) -> list[ConvTiming]:
+    """Forward time of each conv on a random input of the shape it saw, NCHW vs NHWC.
+
+    No grad, copies of the weights: the live model is untouched. Stops at the budget."""
+    timings: list[ConvTiming] = []
+    deadline = time.perf_counter() + MICRO_BUDGET_S
+    with torch.no_grad(), _restored_rng():
+        for conv in convs[:MAX_CONVS]:
+            use = obs.modules.get(id(conv))
+            if use is None or use.input_shape is None or len(use.input_shape) != 4:
+                continue
+            if time.perf_counter() > deadline:
+                break
+            weight = conv.weight.detach()
+            x = torch.randn(use.input_shape, dtype=weight.dtype, device=weight.device)
+            x_cl = x.contiguous(memory_format=torch.channels_last)
+            w_cl = weight.contiguous(memory_format=torch.channels_last)
+            bias = conv.bias.detach() if conv.bias is not None else None
+            variants = {
+                "nchw": lambda: conv._conv_forward(x, weight, bias),
+                "nhwc": lambda: conv._conv_forward(x_cl, w_cl, bias),
+            }
+            for run in variants.values():
+                run()  # warm up (oneDNN primitive creation)
+            times = {name: _best_of(run, 3) for name, run in variants.items()}
+            timings.append(ConvTiming(obs.module_path(conv), times["nchw"], times["nhwc"]))
+    return timings
+
+
+@contextlib.contextmanager
+def _restored_rng() -> Any:
+    """The random inputs must not move the user's RNG stream."""
+    state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+class ChannelsLastCheck(Check):
+    id = "channels-last"
+    title = "A conv model runs on NCHW (channels-first) inputs"
+    guide = "Use channels_last memory format for computer vision models"
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        detections = []
+        for use in obs.modules.values():
+            model = use.module
+            if not use.input_nchw_4d:
+                continue
+            convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+            called = [c for c in convs if id(c) in obs.modules]
+            if not called:
+                continue
+            detections.append(self._detection(obs, model, use.input_nchw_4d, called))
+        return detections[:1]  # one finding per id: the first model called on NCHW input
+
+    def _detection(
+        self, obs: Observation, model: torch.nn.Module, calls: int, convs: list[torch.nn.Conv2d]
+    ) -> Detection:
+        name = obs.module_path(model)
+        shape = obs.modules[id(model)].input_shape
+        timings = conv_timings(obs, convs)
+        slower = [t for t in timings if t.ratio > REGRESSION]
+        evidence = (
+            f"{name} ran {calls} time(s) on NCHW-contiguous 4-D input "
+            f"{list(shape) if shape else ''} through {len(convs)} Conv2d"
+        )
+        if timings:
+            total_nchw = sum(t.nchw_s for t in timings)
+            total_nhwc = sum(t.nhwc_s for t in timings)
+            evidence += (
+                f"; per-conv forward timing (no grad) of {len(timings)} convs: "
+                f"{_ms(total_nchw)} NCHW vs {_ms(total_nhwc)} channels_last"
+            )
+        caveat = (
+            "measure, never assume: channels_last regresses some models (most of the gain is "
+            "on GPU with AMP)"
+        )
+        if slower:
+            worst = sorted(slower, key=lambda t: -t.ratio)[:4]
+            caveat += "; slower in channels_last here: " + ", ".join(
+                f"{t.path} ({_ms(t.nchw_s)} → {_ms(t.nhwc_s)}, {t.ratio:.2f}x the time)"
+                for t in worst
+            )
+        return Detection(
+            self.finding(
+                evidence=evidence,
+                where=name,
+                fixable=True,
+                caveat=caveat,
+                code_change=CodeChange(
+                    "",
+                    [
+                        f"once, after building the model: {name} = "
+                        f"{name}.to(memory_format=torch.channels_last)",
+                        "for each 4-D input batch: x = x.to(memory_format=torch.channels_last)",
+                    ],
+                ),
+            ),
+            ChannelsLastFix(model),
+        )
