@@ -26,6 +26,7 @@ from ..session import Session
 from . import bundle, html, summary
 
 WIN, LOSS, NEUTRAL = "#2e7d32", "#c62828", "#616161"
+MEMORY_CHANGE = 0.01  # peak memory moved by less than this share is not called a change
 
 NO_INSERT_FROM_BUTTON = (
     "Jupyter can only insert a cell in answer to a running cell: a button click gets no "
@@ -165,6 +166,8 @@ class Panel:
         self.buttons = widgets.HBox(
             [self.retime_button, self.wins_button, self.revert_button, self.code_toggle]
         )
+        for button in self.buttons.children:
+            button.layout.width = "auto"  # the default width cuts the longer labels
         self.root = widgets.VBox(
             [
                 self.header,
@@ -317,7 +320,9 @@ class Panel:
             f"<div>peak memory with {_e('+'.join(v.fixes))}: "
             f"{_e(summary.memory_change(report, v))}</div>"
             for v in report.variants
-            if v.peak_memory_bytes is not None and base and v.peak_memory_bytes != base
+            if v.peak_memory_bytes is not None
+            and base
+            and abs(v.peak_memory_bytes / base - 1) >= MEMORY_CHANGE
         )
         return f"{html.chart(report)}{together}{memory}"
 
