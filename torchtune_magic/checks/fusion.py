@@ -31,17 +31,21 @@ MIN_RUN = 3  # ops in a row before a chain counts
 TOLERANCE = 1e-4  # compiled float math may reassociate: "close" within this
 MAX_TARGETS = 3
 
-POINTWISE = frozenset(
-    "abs add addcdiv addcmul clamp clamp_min clamp_max cos cosh div erf erfc exp exp2 expm1 "
-    "gelu hardsigmoid hardswish hardtanh leaky_relu lerp log log1p log2 logical_and "
-    "logical_not logical_or maximum minimum mish mul neg pow reciprocal relu rsqrt rsub "
-    "sigmoid sign silu sin sinh softplus sqrt square sub tan tanh threshold where".split()
-)
+# fmt: off
+POINTWISE = frozenset({
+    "abs", "add", "addcdiv", "addcmul", "clamp", "clamp_min", "clamp_max", "cos", "cosh",
+    "div", "erf", "erfc", "exp", "exp2", "expm1", "gelu", "hardsigmoid", "hardswish",
+    "hardtanh", "leaky_relu", "lerp", "log", "log1p", "log2", "logical_and", "logical_not",
+    "logical_or", "maximum", "minimum", "mish", "mul", "neg", "pow", "reciprocal", "relu",
+    "rsqrt", "rsub", "sigmoid", "sign", "silu", "sin", "sinh", "softplus", "sqrt", "square",
+    "sub", "tan", "tanh", "threshold", "where",
+})
 # Ops that neither break a chain nor count towards it: views and bookkeeping.
-NEUTRAL = frozenset(
-    "alias as_strided detach empty empty_like expand permute reshape squeeze t transpose "
-    "unsqueeze view".split()
-)
+NEUTRAL = frozenset({
+    "alias", "as_strided", "detach", "empty", "empty_like", "expand", "permute", "reshape",
+    "squeeze", "t", "transpose", "unsqueeze", "view",
+})
+# fmt: on
 _BACKWARD = re.compile(r"evaluate_function: (\w+?)Backward\d+$")
 
 
@@ -102,7 +106,7 @@ class Target:
     cell_def: ast.FunctionDef | None = None  # a def in the cell itself: decorate it
     cell_assign: ast.stmt | None = None  # the cell (re)builds the model: compile after it
     busy_us: float = 0.0
-    chains: int = 0
+    ops: int = 0
 
 
 def _function_locations(
@@ -208,9 +212,18 @@ class _Resolver:
         return None
 
 
-def _innermost_first(scopes: list[Scope], chain: Chain) -> Iterator[Scope]:
-    around = [s for s in scopes if s.start_us <= chain.start_us and s.end_us >= chain.end_us]
-    yield from sorted(around, key=lambda s: s.end_us - s.start_us)
+def _enclosing(scopes: list[Scope], ops: list[OpEvent]) -> Iterator[tuple[OpEvent, list[Scope]]]:
+    """Each op (in start order) with the scopes around it, innermost first (a sweep)."""
+    pending = sorted(scopes, key=lambda s: s.start_us)
+    active: list[Scope] = []
+    index = 0
+    for op in sorted(ops, key=lambda o: o.start_us):
+        while index < len(pending) and pending[index].start_us <= op.start_us:
+            active.append(pending[index])
+            index += 1
+        active = [s for s in active if s.end_us >= op.end_us or s.end_us > op.start_us]
+        around = [s for s in active if s.end_us >= op.end_us]
+        yield op, sorted(around, key=lambda s: s.end_us - s.start_us)
 
 
 class CompileFix(Fix):
@@ -248,8 +261,8 @@ class CompileFix(Fix):
                     if location.get(namespace) is not original:
                         raise FixError(self.check_id, f"{location} was redefined since the probe")
                     patcher.call(
-                        lambda loc=location: loc.set(namespace, compiled),
-                        lambda loc=location: loc.set(namespace, original),
+                        lambda loc=location, new=compiled: loc.set(namespace, new),
+                        lambda loc=location, old=original: loc.set(namespace, old),
                     )
 
     def edit_source(self, source: str) -> str:
@@ -309,22 +322,20 @@ class FusePointwiseCheck(Check):
             return []
         resolver = _Resolver(obs)
         unattributed = 0.0
-        for chain in found:
-            target = next(
-                (t for s in _innermost_first(obs.scopes, chain) if (t := resolver.target(s))),
-                None,
-            )
+        chained = [op for chain in found for op in chain.ops]
+        for op, around in _enclosing(obs.scopes, chained):
+            target = next((t for s in around if (t := resolver.target(s))), None)
             if target is None:
-                unattributed += chain.busy_us
+                unattributed += op.end_us - op.start_us
                 continue
-            target.busy_us += chain.busy_us
-            target.chains += 1
-        unique = {id(t): t for t in resolver.targets.values() if t.chains}
+            target.busy_us += op.end_us - op.start_us
+            target.ops += 1
+        unique = {id(t): t for t in resolver.targets.values() if t.ops}
         targets = sorted(unique.values(), key=lambda t: -t.busy_us)[:MAX_TARGETS]
         longest = max(found, key=lambda c: len(c.ops))
         names = ", ".join(_base_name(op.name) for op in longest.ops[:8])
         evidence = (
-            f"{len(found)} chains of ≥{MIN_RUN} consecutive elementwise ops took "
+            f"{len(found)} chain(s) of ≥{MIN_RUN} consecutive elementwise ops took "
             f"{busy / 1e3:.1f} ms of the cell's {obs.wall_s * 1e3:.1f} ms ({share:.0%}); "
             f"longest: {len(longest.ops)} ops ({names}{', …' if len(longest.ops) > 8 else ''})"
         )

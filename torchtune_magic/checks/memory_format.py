@@ -112,18 +112,26 @@ def conv_timings(obs: Observation, convs: list[torch.nn.Conv2d]) -> list[ConvTim
                 break
             weight = conv.weight.detach()
             x = torch.randn(use.input_shape, dtype=weight.dtype, device=weight.device)
-            x_cl = x.contiguous(memory_format=torch.channels_last)
-            w_cl = weight.contiguous(memory_format=torch.channels_last)
             bias = conv.bias.detach() if conv.bias is not None else None
-            variants = {
-                "nchw": lambda: conv._conv_forward(x, weight, bias),
-                "nhwc": lambda: conv._conv_forward(x_cl, w_cl, bias),
-            }
-            for run in variants.values():
-                run()  # warm up (oneDNN primitive creation)
-            times = {name: _best_of(run, 3) for name, run in variants.items()}
-            timings.append(ConvTiming(obs.module_path(conv), times["nchw"], times["nhwc"]))
+            times = [_conv_time(conv, x, weight, bias, fmt) for fmt in FORMATS]
+            timings.append(ConvTiming(obs.module_path(conv), *times))
     return timings
+
+
+FORMATS = (torch.contiguous_format, torch.channels_last)
+
+
+def _conv_time(
+    conv: torch.nn.Conv2d,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    memory_format: torch.memory_format,
+) -> float:
+    x = x.contiguous(memory_format=memory_format)
+    weight = weight.contiguous(memory_format=memory_format)
+    conv._conv_forward(x, weight, bias)  # warm up (oneDNN primitive creation)
+    return _best_of(lambda: conv._conv_forward(x, weight, bias), 3)
 
 
 @contextlib.contextmanager

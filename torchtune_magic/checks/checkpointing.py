@@ -1,0 +1,155 @@
+"""Activation checkpointing for repeated blocks when memory is what limits the run.
+
+Guide: "Use activation checkpointing" (memory part) — instead of keeping every block's
+activations for backward, keep only each block's input and recompute the rest during
+backward. Peak memory drops by roughly the number of blocks; the cell gets slower (one more
+forward per block), so this is a memory fix and is offered only when memory is the
+constraint: the user asked (`--memory`) or the peak is a large share of the device's memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..fixes import Fix, Patcher
+from ..report import CodeChange
+from ..state import available_memory_bytes
+from .base import Check, Detection
+
+if TYPE_CHECKING:
+    from ..probe import Observation
+
+MIN_BLOCKS = 3
+DEVICE_SHARE = 0.5  # peak above this share of the device's (free) memory: memory-bound
+CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList)
+
+
+def _checkpointed(forward: Any) -> Any:
+    """A forward that checkpoints itself while autograd records (plain call otherwise)."""
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
+
+
+class CheckpointFix(Fix):
+    """Each block's instance `forward` becomes a checkpointed call of its own forward; undo
+    deletes the instance attribute (or puts back one the user had set)."""
+
+    check_id = "activation-checkpointing"
+
+    def __init__(self, blocks: list[torch.nn.Module]):
+        super().__init__()
+        self.blocks = blocks
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        for block in self.blocks:
+            patcher.setattr(block, "forward", _checkpointed(block.forward))
+
+
+def _is_block(module: torch.nn.Module) -> bool:
+    """Worth checkpointing: a composite (has children), not a single built-in layer."""
+    return any(True for _ in module.children())
+
+
+def repeated_blocks(obs: Observation) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
+    """(container, blocks): Sequential/ModuleList children of one type, ≥ MIN_BLOCKS of them,
+    that ran with autograd recording. Containers inside an already chosen block are skipped."""
+    chosen: list[tuple[torch.nn.Module, list[torch.nn.Module]]] = []
+    covered: set[int] = set()
+    containers = [u.module for u in obs.modules.values() if isinstance(u.module, CONTAINERS)]
+    containers += [
+        m
+        for use in obs.modules.values()
+        for m in use.module.modules()
+        if isinstance(m, torch.nn.ModuleList)  # never called itself: its blocks are
+    ]
+    by_size = sorted({id(c): c for c in containers}.values(), key=lambda c: -len(list(c.modules())))
+    for container in by_size:
+        if id(container) in covered:
+            continue
+        children = list(container.children())
+        kinds = Counter(type(child) for child in children)
+        kind, count = kinds.most_common(1)[0] if kinds else (None, 0)
+        blocks = [
+            c
+            for c in children
+            if type(c) is kind
+            and _is_block(c)
+            and (use := obs.modules.get(id(c))) is not None
+            and use.grad_calls
+        ]
+        if count >= MIN_BLOCKS and len(blocks) >= MIN_BLOCKS:
+            chosen.append((container, blocks))
+            covered.update(id(m) for block in blocks for m in block.modules())
+    return chosen
+
+
+def _device_memory(obs: Observation) -> tuple[int | None, str]:
+    if obs.device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "of the GPU's memory"
+    return available_memory_bytes(), "of the host's available memory"
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+class ActivationCheckpointingCheck(Check):
+    id = "activation-checkpointing"
+    title = "Repeated blocks keep all their activations for backward"
+    guide = "Use activation checkpointing"
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        if not obs.backward_calls:
+            return []  # activations are only kept for a backward pass
+        peak = obs.peak_memory.bytes if obs.peak_memory else None
+        device_bytes, device_label = _device_memory(obs)
+        share = peak / device_bytes if peak and device_bytes else None
+        memory_bound = share is not None and share >= DEVICE_SHARE
+        if not (obs.memory_asked or memory_bound):
+            return []
+        found = repeated_blocks(obs)
+        if not found:
+            return []
+        blocks = [block for _, group in found for block in group]
+        groups = ", ".join(
+            f"{obs.module_path(container)}: {len(group)} × {type(group[0]).__name__}"
+            for container, group in found
+        )
+        why = "--memory asked" if obs.memory_asked else "memory-bound"
+        evidence = f"{why}; repeated blocks ran with autograd recording ({groups})"
+        if peak is not None:
+            evidence += f"; peak memory {_mib(peak)}"
+            if share is not None:
+                evidence += f" ({share:.0%} {device_label})"
+        first = obs.module_path(found[0][0])
+        return [
+            Detection(
+                self.finding(
+                    evidence=evidence,
+                    where=", ".join(obs.module_path(c) for c, _ in found),
+                    fixable=True,
+                    caveat=(
+                        "a memory fix: each block's forward runs again during backward, so "
+                        "the cell usually gets slower; compare the peak memory before/after"
+                    ),
+                    code_change=CodeChange(
+                        "",
+                        [
+                            f"in the forward that loops over {first}: "
+                            "x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)"
+                            " instead of x = block(x)",
+                        ],
+                    ),
+                ),
+                CheckpointFix(blocks),
+            )
+        ]
