@@ -296,7 +296,7 @@ class _Recorder:
     def loader_next(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def recorded_next(iterator: Any) -> Any:
             start = time.perf_counter()
-            batch = None
+            batch: Any = _NO_BATCH
             try:
                 batch = original(iterator)
                 return batch
@@ -305,9 +305,10 @@ class _Recorder:
                 if loader is not None:
                     use = self.obs.loaders[id(loader)]
                     use.wait_s += time.perf_counter() - start
-                    use.batches += 1
-                    for tensor in _batch_tensors(batch):
-                        self.batch_tensors[id(tensor)] = (weakref.ref(tensor), id(loader))
+                    if batch is not _NO_BATCH:  # not the StopIteration that ends an epoch
+                        use.batches += 1
+                        for tensor in _batch_tensors(batch):
+                            self.batch_tensors[id(tensor)] = (weakref.ref(tensor), id(loader))
 
         return recorded_next
 
@@ -343,6 +344,9 @@ class _Recorder:
                 sink.append(CallSite(kind, self.line(), seconds=time.perf_counter() - start))
 
         return recorded
+
+
+_NO_BATCH = object()
 
 
 def _batch_tensors(batch: Any, depth: int = 3) -> Iterator[torch.Tensor]:

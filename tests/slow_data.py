@@ -1,0 +1,27 @@
+"""Datasets for the loader tests, in an importable module so worker processes can load
+them under any start method (classes defined in a notebook cell live in `__main__`)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+
+class SlowDataset(Dataset):
+    """Each item costs `delay_s` of blocking I/O-like waiting (a sleep, so workers overlap
+    it even on a machine with few cores)."""
+
+    def __init__(self, n: int = 64, features: int = 8, delay_s: float = 0.002):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, features, generator=generator)
+        self.y = torch.randn(n, 1, generator=generator)
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay_s)
+        return self.x[index], self.y[index]

@@ -1,0 +1,640 @@
+"""DataLoader checks: batches loaded in the main process, pageable host memory.
+
+Guide sections: "Enable asynchronous data loading and augmentation" (num_workers > 0) and
+"Use pinned memory buffers" (pin_memory=True with non_blocking copies). Both fixes rebuild
+the user's loader with the same dataset, sampler and settings and rebind it wherever the
+namespace holds it. They go through one `_LoaderPlan` per loader, which rebinds the loader
+built from the union of the applied fixes' settings, so the two compose and undo in any
+order and undo always puts back the very object the user built.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import os
+import pickle
+import time
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from .. import codeedit
+from ..fixes import Fix, Patcher
+from ..report import CodeChange
+from ..state import _RNGState
+from .base import Check, Detection
+
+if TYPE_CHECKING:
+    from ..discovery import Location
+    from ..probe import LoaderUse, Observation
+
+WAIT_SHARE = 0.05  # torch-tb-profiler's threshold for "data loading is a bottleneck"
+# Handing a batch from a worker to the main process costs on the order of a millisecond
+# (pickling through shared memory, a queue round trip): a loader that already delivers a
+# batch faster than this cannot gain from workers, whatever its share of the cell.
+MIN_BATCH_WAIT_S = 0.001
+TRIAL_BUDGET_S = 3.0  # picking the worker count, all candidates together
+IN_PROCESS_BUDGET_S = 0.5  # re-timing the loader as it is, without instrumentation
+MAX_WORKERS = 8
+POSITIONAL = {"num_workers": 5, "pin_memory": 7}  # DataLoader's positional parameters
+WORKERS_CAVEAT = (
+    "workers hold a copy of the dataset made when they start: later changes to the dataset "
+    "are not seen until the loader is rebuilt; random augmentation inside the dataset draws "
+    "from per-worker seeds, so its random numbers differ from the in-process run"
+)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _lines_text(lines: set[int] | list[int]) -> str:
+    ordered = sorted(lines)
+    return ("line " if len(ordered) == 1 else "lines ") + ", ".join(map(str, ordered))
+
+
+# rebuilding a loader --------------------------------------------------------------------------
+
+
+def constructor_kwargs(loader: DataLoader) -> dict[str, Any]:
+    """Everything the user set on `loader`, as DataLoader keyword arguments."""
+    kwargs: dict[str, Any] = {
+        "dataset": loader.dataset,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+        "in_order": loader.in_order,
+    }
+    if isinstance(loader.dataset, IterableDataset):
+        kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif loader.batch_size is None and loader.batch_sampler is not None:
+        kwargs["batch_sampler"] = loader.batch_sampler  # the user's own batch sampler
+    else:
+        kwargs.update(
+            sampler=loader.sampler, batch_size=loader.batch_size, drop_last=loader.drop_last
+        )
+    return kwargs
+
+
+_SAME_RNG_CLASSES: dict[type, type] = {}
+
+
+def _same_rng_class(cls: type) -> type:
+    """`cls` whose reused persistent workers consume the RNG like a fresh iterator does.
+
+    torch draws a worker base seed from the RNG for every new iterator but skips the draw
+    when persistent workers are reused, which would shift every later random number (the
+    shuffle order, dropout) against the original loader. Drawing it anyway keeps the cell's
+    random stream, so numerics compare like with like.
+    """
+    made = _SAME_RNG_CLASSES.get(cls)
+    if made is None:
+        base_iter = cls.__iter__
+
+        def __iter__(self: DataLoader) -> Any:
+            if getattr(self, "_iterator", None) is not None:
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            return base_iter(self)
+
+        made = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__})
+        made.__qualname__ = cls.__qualname__
+        _SAME_RNG_CLASSES[cls] = made
+    return made
+
+
+def rebuild(loader: DataLoader, overrides: dict[str, Any]) -> DataLoader:
+    """A loader like `loader` (same class, dataset, sampler, … and the user's own extra
+    attributes) with `overrides` applied."""
+    kwargs = constructor_kwargs(loader)
+    kwargs.update(overrides)
+    if not kwargs["num_workers"]:
+        kwargs.update(prefetch_factor=None, persistent_workers=False)
+    cls = type(loader)
+    if kwargs["persistent_workers"]:
+        cls = _same_rng_class(cls)
+    new = cls.__new__(cls)
+    DataLoader.__init__(new, **kwargs)
+    for name, value in vars(loader).items():
+        if name not in vars(new):
+            object.__setattr__(new, name, value)
+    return new
+
+
+def shutdown(loader: DataLoader) -> None:
+    """Stop a loader's persistent workers now (torch would only do so when it is freed)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        loader._iterator = None
+        shut = getattr(iterator, "_shutdown_workers", None)
+        if shut is not None:
+            shut()
+
+
+def _shutdown_all(loaders: dict[Any, DataLoader]) -> None:
+    for loader in list(loaders.values()):
+        shutdown(loader)
+    loaders.clear()
+
+
+class _LoaderPlan:
+    """The rebuilt versions of one user loader and which applied fix wants which settings.
+
+    Rebinding always targets the loader built from the union of the wanted settings (the
+    original when none), so fixes compose and undo in any order. Rebuilt loaders are cached;
+    their workers are shut down when the plan is closed or garbage-collected (the session
+    and its fixes are gone) and at interpreter exit.
+    """
+
+    def __init__(self, original: DataLoader, locations: list[Location]):
+        self.original = original
+        self.locations = locations
+        self.variants: dict[tuple[tuple[str, Any], ...], DataLoader] = {}
+        self.wanted: dict[int, dict[str, Any]] = {}
+        self._finalizer = weakref.finalize(self, _shutdown_all, self.variants)
+
+    def loader_for(self, overrides: dict[str, Any]) -> DataLoader:
+        if not overrides:
+            return self.original
+        key = tuple(sorted(overrides.items()))
+        loader = self.variants.get(key)
+        if loader is None:
+            loader = self.variants[key] = rebuild(self.original, overrides)
+        return loader
+
+    def discard(self, overrides: dict[str, Any]) -> None:
+        """Shut down and forget one variant (a worker count not chosen)."""
+        loader = self.variants.pop(tuple(sorted(overrides.items())), None)
+        if loader is not None:
+            shutdown(loader)
+
+    def want(self, fix: Fix, overrides: dict[str, Any], namespace: dict[str, Any]) -> None:
+        self.wanted[id(fix)] = overrides
+        self._rebind(namespace)
+
+    def drop(self, fix: Fix, namespace: dict[str, Any]) -> None:
+        self.wanted.pop(id(fix), None)
+        self._rebind(namespace)
+
+    def _rebind(self, namespace: dict[str, Any]) -> None:
+        merged: dict[str, Any] = {}
+        for overrides in self.wanted.values():
+            merged.update(overrides)
+        target = self.loader_for(merged)
+        for location in self.locations:
+            location.set(namespace, target)
+
+    def close(self) -> None:
+        """Stop every rebuilt loader's workers; a later fix gets a fresh plan."""
+        if _PLANS.get(id(self.original)) is self:
+            del _PLANS[id(self.original)]
+        self._finalizer()
+
+
+_PLANS: weakref.WeakValueDictionary[int, _LoaderPlan] = weakref.WeakValueDictionary()
+
+
+def plan_for(loader: DataLoader, locations: list[Location]) -> _LoaderPlan:
+    """The one plan of this loader (shared by its fixes, so their changes merge)."""
+    plan = _PLANS.get(id(loader))
+    if plan is None or plan.original is not loader:
+        plan = _PLANS[id(loader)] = _LoaderPlan(loader, locations)
+    return plan
+
+
+# worker feasibility and the worker count ---------------------------------------------------------
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles into nothing, noting objects whose class or function lives in `__main__`."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.main_names: set[str] = set()
+
+    def persistent_id(self, obj: Any) -> None:
+        owner = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
+        if getattr(owner, "__module__", None) == "__main__":
+            self.main_names.add(getattr(owner, "__qualname__", repr(owner)))
+        return None
+
+
+def why_no_workers(loader: DataLoader) -> str | None:
+    """Why worker processes cannot load this loader's data, or None when they can.
+
+    Under fork (Linux's default) workers inherit the dataset; under spawn/forkserver it is
+    pickled, and a class defined in the notebook (`__main__`) cannot be found by a worker.
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            "its dataset is an IterableDataset: with workers each one yields the whole stream "
+            "unless the dataset splits it with torch.utils.data.get_worker_info(), so the fix "
+            "is not applied automatically"
+        )
+    context = loader.multiprocessing_context or torch.multiprocessing.get_context()
+    method = context.get_start_method()
+    if method == "fork":
+        return None
+    finder = _MainFinder()
+    try:
+        finder.dump((loader.dataset, loader.collate_fn, loader.worker_init_fn))
+    except Exception as error:
+        return (
+            f"workers start with '{method}', which pickles the dataset, and it cannot be "
+            f"pickled ({type(error).__name__}: {error})"
+        )
+    if finder.main_names:
+        names = ", ".join(sorted(finder.main_names))
+        return (
+            f"workers start with '{method}' and re-import classes by module, but {names} "
+            "is defined in the notebook (__main__): move it to a .py module and import it"
+        )
+    return None
+
+
+@dataclass
+class Trial:
+    """How one worker count did in the quick trial (or why it failed)."""
+
+    workers: int
+    startup_s: float = 0.0
+    per_batch_s: float | None = None
+    error: str | None = None
+
+
+@contextlib.contextmanager
+def _rng_kept(loader: DataLoader) -> Iterator[None]:
+    """Trial iterations draw shuffle orders and seeds: put every RNG back afterwards."""
+    owners = [loader, loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
+    generators = [
+        g for g in (getattr(o, "generator", None) for o in owners) if isinstance(g, torch.Generator)
+    ]
+    saved = _RNGState.capture(generators)
+    try:
+        yield
+    finally:
+        saved.restore()
+
+
+def _timed_epoch(loader: DataLoader, batches: int, budget_s: float) -> float | None:
+    """Seconds per batch over (up to) one epoch, stopping at the budget."""
+    start, done = time.perf_counter(), 0
+    for _ in loader:
+        done += 1
+        if done >= batches or time.perf_counter() - start > budget_s:
+            break
+    return (time.perf_counter() - start) / done if done else None
+
+
+def _time_loader(loader: DataLoader, batches: int, budget_s: float) -> Trial:
+    """Start-up (to the first batch), the rest of that warm-up epoch, then a timed epoch on
+    the warm workers as the cell will see them; each epoch stops at half the budget."""
+    trial = Trial(loader.num_workers)
+    start = time.perf_counter()
+    iterator = iter(loader)
+    next(iterator)
+    trial.startup_s = time.perf_counter() - start
+    for done, _ in enumerate(iterator, 2):
+        if done >= batches or time.perf_counter() - start > budget_s / 2:
+            break
+    trial.per_batch_s = _timed_epoch(loader, batches, budget_s / 2)
+    return trial
+
+
+def in_process_per_batch(loader: DataLoader, batches: int) -> float | None:
+    """The user's own loader timed without the probe's instrumentation (which inflates
+    cheap loaders: every indexing op is recorded), RNG put back afterwards."""
+    with _rng_kept(loader):
+        return _timed_epoch(loader, batches, IN_PROCESS_BUDGET_S)
+
+
+def worker_candidates(batches: int) -> list[int]:
+    cpus = min(os.cpu_count() or 1, MAX_WORKERS)
+    return sorted({k for k in (1, 2, cpus) if k <= max(1, min(cpus, batches))})
+
+
+def pick_workers(plan: _LoaderPlan, use: LoaderUse) -> tuple[int | None, list[Trial]]:
+    """Time each candidate worker count on a fresh epoch; keep the fastest, stop the rest.
+
+    Ties within 5% go to fewer workers (less memory, fewer processes).
+    """
+    candidates = worker_candidates(use.batches)
+    budget = TRIAL_BUDGET_S / len(candidates)
+    trials = []
+    with _rng_kept(plan.original):
+        for k in candidates:
+            overrides = {"num_workers": k, "persistent_workers": True}
+            try:
+                trials.append(_time_loader(plan.loader_for(overrides), use.batches, budget))
+            except Exception as error:
+                trials.append(Trial(k, error=f"{type(error).__name__}: {error}"))
+                plan.discard(overrides)
+    timed = [t for t in trials if t.per_batch_s is not None]
+    if not timed:
+        return None, trials
+    fastest = min(t.per_batch_s for t in timed if t.per_batch_s is not None)
+    best = min(
+        (t for t in timed if t.per_batch_s is not None and t.per_batch_s <= 1.05 * fastest),
+        key=lambda t: t.workers,
+    )
+    for trial in trials:
+        if trial.workers != best.workers:
+            plan.discard({"num_workers": trial.workers, "persistent_workers": True})
+    return best.workers, trials
+
+
+# source edits -----------------------------------------------------------------------------
+
+
+def _call_at(tree: ast.Module, line: int, names: set[str]) -> ast.Call | None:
+    for call in codeedit.calls_named(tree, names):
+        if call.lineno == line:
+            return call
+    return None
+
+
+def with_keywords(source: str, line: int, names: set[str], values: dict[str, str]) -> str:
+    """The cell with the call of `names` starting at `line` given these keyword values
+    (replacing a keyword or known positional argument already there, else appending)."""
+    for key, text in values.items():
+        call = _call_at(ast.parse(source), line, names)
+        if call is None:
+            return source
+        existing = next((k.value for k in call.keywords if k.arg == key), None)
+        if existing is None and key in POSITIONAL and len(call.args) > POSITIONAL[key]:
+            existing = call.args[POSITIONAL[key]]
+        if existing is not None:
+            source = codeedit.replace_node(source, existing, text)
+            continue
+        segment = ast.get_source_segment(source, call) or ""
+        head = segment[: segment.rindex(")")].rstrip()
+        joiner = "" if head.endswith(("(", ",")) else ", "
+        if head.endswith(","):
+            joiner = " "
+        source = codeedit.replace_node(source, call, f"{head}{joiner}{key}={text})")
+    return source
+
+
+def _class_names(loader: DataLoader) -> set[str]:
+    return {"DataLoader", type(loader).__name__}
+
+
+# the checks ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Target:
+    """Where a loader lives and how a fix can reach it."""
+
+    use: LoaderUse
+    name: str
+    locations: list[Location]
+    cell_call: ast.Call | None  # its constructor call in the cell, if built there
+    unreachable: str | None  # why a live fix cannot reach it, if it cannot
+
+
+def _target(obs: Observation, use: LoaderUse) -> _Target:
+    loader = use.loader
+    entry = obs.found.get(id(loader))
+    locations = list(entry.locations) if entry else []
+    name = str(locations[0]) if locations else f"a {type(loader).__name__}"
+    cell_call = None
+    unreachable = None
+    if use.built_in_cell:
+        if use.built_line is not None:
+            cell_call = _call_at(obs.tree, use.built_line, _class_names(loader))
+        if cell_call is None:
+            where = f" at cell line {use.built_line}" if use.built_line else ""
+            unreachable = (
+                f"the loader is built by code the cell calls{where}, so every run makes a "
+                "new one: change that constructor"
+            )
+    elif not locations:
+        unreachable = "no notebook name reaches the loader, so it cannot be swapped"
+    elif not all(location.rebindable for location in locations):
+        unreachable = (
+            "the loader is held as a local variable of a running generator, which cannot be "
+            "rebound from outside: change its constructor and restart the generator"
+        )
+    return _Target(use, name, locations, cell_call, unreachable)
+
+
+class _LoaderFix(Fix):
+    """Rebind a loader to its rebuilt version with `overrides`, or, for a loader the cell
+    builds itself, edit its constructor call (and copy lines) in the cell."""
+
+    def __init__(
+        self,
+        overrides: dict[str, Any],
+        plan: _LoaderPlan | None,
+        cell_edit: Callable[[str], str] | None,
+    ):
+        super().__init__()
+        self.overrides = overrides
+        self.plan = plan
+        self.cell_edit = cell_edit
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        plan = self.plan
+        if plan is not None:
+            patcher.call(
+                lambda: plan.want(self, self.overrides, namespace),
+                lambda: plan.drop(self, namespace),
+            )
+
+    def edit_source(self, source: str) -> str:
+        return self.cell_edit(source) if self.cell_edit is not None else source
+
+
+class WorkersFix(_LoaderFix):
+    check_id = "dataloader-workers"
+
+
+class PinMemoryFix(_LoaderFix):
+    check_id = "pin-memory"
+
+
+def _trials_text(trials: list[Trial]) -> str:
+    parts = []
+    for trial in trials:
+        label = f"{trial.workers} worker{'s' if trial.workers > 1 else ''}"
+        if trial.per_batch_s is not None:
+            parts.append(f"{label} {_ms(trial.per_batch_s)}/batch")
+        else:
+            parts.append(f"{label} failed ({trial.error})")
+    return "; ".join(parts)
+
+
+class WorkersCheck(Check):
+    id = "dataloader-workers"
+    title = "Batches are loaded in the main process (num_workers=0) while the cell waits"
+    guide = "Enable asynchronous data loading and augmentation"
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        detections = []
+        for use in obs.loaders.values():
+            if use.loader.num_workers != 0 or not use.batches or not obs.wall_s:
+                continue
+            share = use.wait_s / obs.wall_s
+            if share < WAIT_SHARE:
+                continue
+            per_batch = in_process_per_batch(use.loader, use.batches)
+            if per_batch is None or per_batch < MIN_BATCH_WAIT_S:
+                continue  # cheap loading (in-memory tensors): workers would only add IPC
+            detections.append(self._detection(obs, use, share, per_batch))
+        return detections
+
+    def _detection(
+        self, obs: Observation, use: LoaderUse, share: float, per_batch: float
+    ) -> Detection:
+        loader = use.loader
+        target = _target(obs, use)
+        evidence = (
+            f"batches waited {use.wait_s:.2f} s of {obs.wall_s:.2f} s ({share:.0%}) over "
+            f"{use.batches} batches, loaded in the main process ({_ms(per_batch)} per batch "
+            "timed without instrumentation)"
+        )
+        blocked = why_no_workers(loader)
+        workers = None
+        plan = None
+        if blocked is None:
+            plan = plan_for(loader, target.locations)
+            workers, trials = pick_workers(plan, use)
+            evidence += f"; quick trial: {_trials_text(trials)}"
+            if workers is None:
+                blocked = "no worker count could load a batch in the trial"
+            else:
+                startup = next(t.startup_s for t in trials if t.workers == workers)
+                evidence += f"; {workers} chosen (start-up {startup:.2f} s, once)"
+        reason = target.unreachable or blocked
+        shown_k = workers if workers is not None else min(2, os.cpu_count() or 1)
+        values = {"num_workers": str(shown_k), "persistent_workers": "True"}
+        source = obs.workload.source
+        fixed = None
+        elsewhere = []
+        cell_edit = None
+        if target.cell_call is not None and use.built_line is not None:
+            line, names = use.built_line, _class_names(loader)
+
+            def cell_edit(text: str) -> str:
+                return with_keywords(text, line, names, values)
+
+            fixed = cell_edit(source)
+        else:
+            elsewhere.append(
+                f"{target.name}: build it with {type(loader).__name__}(..., "
+                f"num_workers={shown_k}, persistent_workers=True)"
+            )
+        fix = None
+        if reason is not None:
+            evidence += f"; not applied live: {reason}"
+        elif workers is not None:
+            overrides = {"num_workers": workers, "persistent_workers": True}
+            # a loader the cell builds itself is changed in the cell text, not swapped
+            fix = WorkersFix(overrides, None if cell_edit else plan, cell_edit)
+        if plan is not None and (fix is None or fix.plan is None):
+            plan.close()  # no live swap will use the trial loaders: stop their workers
+        where = target.name
+        if use.lines:
+            where += f", iterated at cell {_lines_text(use.lines)}"
+        return Detection(
+            self.finding(
+                evidence=evidence,
+                where=where,
+                fixable=fix is not None,
+                line=use.built_line or (min(use.lines) if use.lines else None),
+                caveat=WORKERS_CAVEAT,
+                code_change=CodeChange(
+                    codeedit.unified_diff(source, fixed) if fixed else "", elsewhere
+                ),
+            ),
+            fix,
+            fixed,
+        )
+
+
+def _non_blocking(source: str, lines: set[int]) -> str:
+    """`.to(...)` / `.cuda(...)` calls on these cell lines, given non_blocking=True."""
+    for line in sorted(lines):
+        tree = ast.parse(source)
+        for call in codeedit.calls_named(tree, {"to", "cuda"}):
+            if call.lineno == line and not any(k.arg == "non_blocking" for k in call.keywords):
+                source = with_keywords(source, line, {"to", "cuda"}, {"non_blocking": "True"})
+                break
+    return source
+
+
+class PinMemoryCheck(Check):
+    id = "pin-memory"
+    title = "Batches are copied to the GPU from pageable memory (pin_memory=False)"
+    guide = "Use pinned memory buffers"
+    needs_cuda = True
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        detections = []
+        for use in obs.loaders.values():
+            if use.loader.pin_memory or not use.device_copies:
+                continue
+            detections.append(self._detection(obs, use))
+        return detections
+
+    def _detection(self, obs: Observation, use: LoaderUse) -> Detection:
+        loader = use.loader
+        target = _target(obs, use)
+        source = obs.workload.source
+        copy_lines = set(use.copy_lines)
+
+        def cell_edit(text: str) -> str:
+            if target.cell_call is not None and use.built_line is not None:
+                text = with_keywords(
+                    text, use.built_line, _class_names(loader), {"pin_memory": "True"}
+                )
+            return _non_blocking(text, copy_lines)
+
+        fixed = cell_edit(source)
+        elsewhere = []
+        if target.cell_call is None:
+            elsewhere.append(
+                f"{target.name}: build it with {type(loader).__name__}(..., pin_memory=True)"
+            )
+        if not copy_lines:
+            elsewhere.append("copy batches with .to(device, non_blocking=True)")
+        fix = None
+        if target.unreachable is None:
+            plan = None if target.cell_call is not None else plan_for(loader, target.locations)
+            fix = PinMemoryFix({"pin_memory": True}, plan, cell_edit)
+        evidence = (
+            f"{use.device_copies} batch tensors from {use.batches} batches were copied to the "
+            f"GPU from pageable memory ({use.non_blocking_copies} with non_blocking=True)"
+        )
+        if target.unreachable is not None:
+            evidence += f"; not applied live: {target.unreachable}"
+        where = target.name
+        if copy_lines:
+            where += f", copied at cell {_lines_text(copy_lines)}"
+        return Detection(
+            self.finding(
+                evidence=evidence,
+                where=where,
+                fixable=fix is not None,
+                line=min(copy_lines) if copy_lines else use.built_line,
+                caveat="pinned memory is page-locked host RAM: very large pinned batches "
+                "reduce the memory left to the rest of the system",
+                code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
+            ),
+            fix,
+            fixed,
+        )
