@@ -9,7 +9,7 @@ from .base import Check
 
 @cache
 def all_checks() -> tuple[Check, ...]:
-    from . import autograd, debug
+    from . import autograd, checkpointing, conv_bn, debug, fusion, loader, memory_format
 
     return (
         debug.AnomalyCheck(),
@@ -17,6 +17,12 @@ def all_checks() -> tuple[Check, ...]:
         debug.GradcheckCheck(),
         autograd.NoGradCheck(),
         autograd.ZeroGradNoneCheck(),
+        loader.WorkersCheck(),
+        loader.PinMemoryCheck(),
+        conv_bn.ConvBiasBNCheck(),
+        fusion.FusePointwiseCheck(),
+        memory_format.ChannelsLastCheck(),
+        checkpointing.ActivationCheckpointingCheck(),
     )
 
 
