@@ -1,0 +1,217 @@
+"""conv-bias-bn through the real API: perfcheck() and Session."""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+from torch import nn
+
+from torchtune_magic import perfcheck
+from torchtune_magic.options import Options
+from torchtune_magic.session import Session
+from torchtune_magic.workload import Workload
+
+EVAL = """
+with torch.no_grad():
+    out = model(x)
+"""
+TRAIN = """
+for _ in range(3):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+NESTED = """
+torch.manual_seed(0)
+model = nn.Sequential(
+    nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+    nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+)
+x = torch.randn(4, 3, 16, 16)
+"""
+CUSTOM = """
+torch.manual_seed(0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6)  # registered before the conv: order is no evidence
+        self.act = nn.ReLU()
+        self.conv = nn.Conv1d(4, 6, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.act(self.norm(y))
+
+model = Net()
+x = torch.randn(4, 4, 20)
+"""
+FACTORY = """
+torch.manual_seed(0)
+
+def block(c_in, c_out):
+    return nn.Sequential(nn.Conv3d(c_in, c_out, 3, padding=1), nn.BatchNorm3d(c_out), nn.ReLU())
+
+model = nn.Sequential(block(2, 4), block(4, 4))
+x = torch.randn(2, 2, 6, 6, 6)
+"""
+
+
+def namespace(setup: str) -> dict:
+    ns = {"__name__": "__main__", "torch": torch, "nn": nn}
+    exec(textwrap.dedent(setup), ns)
+    return ns
+
+
+def detected(cell: str, ns: dict, checks: str = "conv-bias-bn") -> Session:
+    session = Session(Workload(textwrap.dedent(cell), ns), Options.build(checks=checks))
+    session.probe()
+    session.detect()
+    return session
+
+
+def _finding(cell: str, ns: dict):
+    detections = detected(cell, ns).detections
+    assert len(detections) == 1
+    return detections[0].finding
+
+
+def test_nested_sequential_in_eval_keeps_outputs():
+    ns = namespace(NESTED)
+    ns["model"].eval()
+    report = perfcheck(EVAL, ns, checks="conv-bias-bn", budget=2)
+    finding = report.finding("conv-bias-bn")
+    assert finding.fixable and finding.where == "model.0.0, model.1.0"
+    assert "model.0.0 (Conv2d, 8 channels) fed model.0.1 on all 1 calls" in finding.evidence
+    assert finding.code_change.elsewhere == [
+        "model.0.0: nn.Conv2d(3, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), bias=False)",
+        "model.1.0: nn.Conv2d(8, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), bias=False)",
+    ]
+    numerics = report.variant_for(["conv-bias-bn"]).numerics
+    assert numerics.verdict in ("identical", "close"), numerics
+    assert numerics.detail is None or "present in one run only" not in numerics.detail
+
+
+def test_custom_forward_found_by_tensor_identity_not_order():
+    ns = namespace(CUSTOM)
+    finding = _finding("out = model(x)\n", ns)
+    assert finding.where == "model.conv"
+    assert "fed model.norm" in finding.evidence
+
+
+def test_factory_blocks_with_conv3d():
+    ns = namespace(FACTORY)
+    finding = _finding("out = model(x)\n", ns)
+    assert finding.where == "model.0.0, model.1.0"
+
+
+def test_training_cell_stays_close_and_optimizer_skips_the_bias():
+    ns = namespace(NESTED + "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n")
+    report = perfcheck(TRAIN, ns, checks="conv-bias-bn", budget=2)
+    numerics = report.variant_for(["conv-bias-bn"]).numerics
+    assert numerics.verdict in ("identical", "close"), numerics
+
+
+def test_clean_controls_stay_silent():
+    relu_first = """
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8))
+x = torch.randn(2, 3, 8, 8)
+"""
+    no_bias = """
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8))
+x = torch.randn(2, 3, 8, 8)
+"""
+    conv_only = """
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+x = torch.randn(2, 3, 8, 8)
+"""
+    for setup in (relu_first, no_bias, conv_only):
+        assert detected("out = model(x)\n", namespace(setup)).detections == []
+
+
+def test_conv_also_feeding_functional_code_stays_silent():
+    setup = """
+torch.manual_seed(0)
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        a = self.bn(self.conv(x))
+        return a + self.conv(x).relu()  # the second call's output is not normalized
+
+model = Twice()
+x = torch.randn(2, 3, 4, 4)
+"""
+    assert detected("out = model(x)\n", namespace(setup)).detections == []
+
+
+def test_model_built_in_the_cell_is_not_fixed_live():
+    ns = namespace("x = torch.randn(2, 3, 8, 8)\n")
+    cell = "model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))\nout = model(x)\n"
+    finding = _finding(cell, ns)
+    assert not finding.fixable and "the cell builds model.0 itself" in finding.evidence
+
+
+def test_apply_undo_round_trip_is_exact():
+    ns = namespace(NESTED + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    model, opt = ns["model"], ns["opt"]
+    session = detected(TRAIN, ns)
+    conv, bn = model[0][0], model[0][1]
+    bias, mean = conv.bias, bn.running_mean
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    session.apply("conv-bias-bn")
+    assert conv.bias is None and "bias" in conv._parameters
+    # the state_dict shows the model as built: same keys, same values (running_mean unfolded)
+    during = model.state_dict()
+    assert list(during) == list(before)
+    assert all(torch.allclose(during[k].float(), v.float(), atol=1e-6) for k, v in before.items())
+    session.workload.run()  # trains with the bias removed; SGD skips the grad-less bias
+    session.undo("conv-bias-bn")
+    assert conv.bias is bias and bn.running_mean is mean
+    assert opt.param_groups[0]["params"][1] is bias
+    session.apply("conv-bias-bn")
+    session.undo("conv-bias-bn")
+    # nothing ran in between: the fold is undone bit for bit
+    assert torch.equal(bn.running_mean, mean) and conv.bias is bias
+
+
+def test_untouched_round_trip_restores_bits():
+    ns = namespace(NESTED)
+    model = ns["model"]
+    session = detected("out = model(x)\n", ns)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    session.apply("conv-bias-bn")
+    session.undo("conv-bias-bn")
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+
+
+def test_composes_with_no_grad_in_any_order():
+    ns = namespace(NESTED)
+    ns["model"].eval()
+    session = detected("out = model(x)\n", ns, checks="conv-bias-bn,no-grad")
+    assert {d.finding.id for d in session.fixable} == {"conv-bias-bn", "no-grad"}
+    conv = ns["model"][0][0]
+    bias = conv.bias
+    reference = ns["model"](ns["x"]).detach()
+    for order in (["conv-bias-bn", "no-grad"], ["no-grad", "conv-bias-bn"]):
+        for check_id in order:
+            session.apply(check_id)
+        assert torch.allclose(ns["model"](ns["x"]), reference, atol=1e-5)
+        session.undo(order[0])
+        session.undo(order[1])
+        assert conv.bias is bias
+    report = session.measure()
+    both = report.variant_for(["conv-bias-bn", "no-grad"])
+    assert both.error is None and both.numerics.verdict in ("identical", "close")
