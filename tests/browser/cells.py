@@ -1,0 +1,35 @@
+"""Cell sources used by the browser tests."""
+
+from __future__ import annotations
+
+DISPLAY_REPORT = """\
+import json
+from IPython.display import display
+
+report = json.load(open("sample_report.json"))
+report["run_id"] = {run_id!r}
+display({{
+    "application/vnd.torchtune-magic.report.v1+json": report,
+    "text/html": "<b>html fallback of the report</b>",
+    "text/plain": "<torchtune-magic report>",
+}}, raw=True)
+"""
+
+LIVE_PANEL = """\
+import ipywidgets as widgets
+
+panel = widgets.VBox([widgets.Label("live perfcheck panel")])
+panel.add_class("ttm-live-panel")
+panel.add_class("ttm-run-" + {run_id!r})
+display(panel)
+"""
+
+
+def display_report(run_id: str) -> str:
+    """A cell that displays the sample report bundle with this run id."""
+    return DISPLAY_REPORT.format(run_id=run_id)
+
+
+def live_panel_and_report(run_id: str) -> str:
+    """A cell that shows a live panel and then the report of the same run."""
+    return LIVE_PANEL.format(run_id=run_id) + "\n" + display_report(run_id)

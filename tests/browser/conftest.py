@@ -1,0 +1,80 @@
+"""Fixtures for the browser tests: one `jupyter lab` server and one Chromium per session."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_core.paths import jupyter_path
+
+from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, Lab
+from .server import JupyterLab, start_jupyter_lab
+
+SAMPLE_REPORT = Path(__file__).resolve().parents[1] / "data" / "sample_report.json"
+
+
+def _labextension_installed() -> bool:
+    return any(
+        (Path(folder) / "torchtune-magic" / "package.json").exists()
+        for folder in jupyter_path("labextensions")
+    )
+
+
+@pytest.fixture(scope="session")
+def jupyter_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: run scripts/install_browser.sh")
+    if not _labextension_installed():
+        pytest.fail("the torchtune-magic labextension is not installed: run `pip install -e .`")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with (ARTIFACTS / "jupyter-lab.log").open("wb") as log:
+        server = start_jupyter_lab(tmp_path_factory.mktemp("jupyter-lab"), log)
+        shutil.copy(SAMPLE_REPORT, server.root / "sample_report.json")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def browser(jupyter_lab: JupyterLab) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def lab(browser: Any, jupyter_lab: JupyterLab, request: pytest.FixtureRequest) -> Iterator[Lab]:
+    """A fresh page; records any alert/confirm/prompt; screenshots the end state."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    current = Lab(page=page, server=jupyter_lab, name=request.node.name)
+
+    def on_dialog(dialog: Any) -> None:
+        current.dialogs.append(f"{dialog.type}: {dialog.message}")
+        dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+    try:
+        yield current
+    finally:
+        current.screenshot("end")
+        context.close()
+        jupyter_lab.shutdown_kernels()
+
+
+@pytest.fixture(scope="session")
+def sample_report() -> dict[str, Any]:
+    return json.loads(SAMPLE_REPORT.read_text())

@@ -1,0 +1,127 @@
+"""Driving JupyterLab in headless Chromium: open notebooks, run and read cells."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Locator, Page, expect
+
+from .server import JupyterLab
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+REPORT_MIME = "application/vnd.torchtune-magic.report.v1+json"
+TOGGLE_COMMAND = "torchtune-magic:toggle-perfcheck"
+TOGGLE_SHORTCUT = "Control+Shift+Y"
+NOT_RUN_PROMPT = re.compile(r"^\[\s*\]:$")
+
+
+def retry(action: Callable[[], None], attempts: int = 3) -> None:
+    """Run a UI step that waits on a selector, again if it timed out (cold starts flake)."""
+    for attempt in range(attempts):
+        try:
+            action()
+            return
+        except (PlaywrightError, AssertionError):
+            if attempt == attempts - 1:
+                raise
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+@dataclass
+class Lab:
+    """One browser page on the test server."""
+
+    page: Page
+    server: JupyterLab
+    name: str
+    dialogs: list[str] = field(default_factory=list)
+
+    @property
+    def notebook_panel(self) -> Locator:
+        """The notebook in the current tab."""
+        return self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+
+    def open_notebook(self, notebook: str) -> None:
+        """Open a notebook alone in a workspace of this test's own, with its kernel idle."""
+        workspace = re.sub(r"[^A-Za-z0-9-]+", "-", self.name)
+
+        def attempt() -> None:
+            self.page.goto(f"{self.server.url}/lab/workspaces/{workspace}/tree/{notebook}")
+            self.cell(0).locator(".cm-content").wait_for(state="visible", timeout=30_000)
+            self.notebook_panel.locator(
+                ".jp-Notebook-ExecutionIndicator[data-status='idle']"
+            ).wait_for(state="attached", timeout=30_000)
+
+        retry(attempt)
+
+    def cell(self, index: int) -> Locator:
+        return self.notebook_panel.locator(".jp-Notebook .jp-Cell").nth(index)
+
+    def focus_editor(self, index: int) -> None:
+        self.cell(index).locator(".cm-content").click()
+
+    def run_cell(self, index: int, until: str) -> Locator:
+        """Run a cell (Ctrl+Enter) until `until` appears in it; return that element.
+
+        Right after the page loads the kernel can look idle before the notebook is
+        connected to it, and the run is then silently skipped: retry when the prompt
+        did not change to [*] or a number.
+        """
+        target = self.cell(index).locator(until).first
+        prompt = self.cell(index).locator(".jp-InputPrompt")
+
+        def attempt() -> None:
+            self.focus_editor(index)
+            self.page.keyboard.press("Control+Enter")
+            expect(prompt).not_to_have_text(NOT_RUN_PROMPT, timeout=5_000)
+            target.wait_for(state="attached", timeout=30_000)
+
+        retry(attempt)
+        return target
+
+    def source(self, index: int) -> str:
+        lines = self.cell(index).locator(".cm-content .cm-line").all_inner_texts()
+        return "\n".join(line.replace("\u200b", "") for line in lines)
+
+    def save(self, notebook: str) -> None:
+        """Save with the keyboard and wait until the file on disk has the report output."""
+        self.focus_editor(0)
+        self.page.keyboard.press("Escape")
+        self.page.keyboard.press("Control+s")
+
+        def saved() -> bool:
+            nb = self.server.read_notebook(notebook)
+            return any(
+                REPORT_MIME in output.get("data", {})
+                for cell in nb.cells
+                for output in cell.get("outputs", [])
+            )
+
+        wait_until(saved, 20, f"{notebook} to be saved with its outputs")
+
+    def screenshot(self, step: str) -> None:
+        ARTIFACTS.mkdir(exist_ok=True)
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{self.name}-{step}")
+        self.page.screenshot(path=str(ARTIFACTS / f"{safe}.png"), full_page=True)
