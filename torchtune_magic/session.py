@@ -7,6 +7,7 @@ ends by putting back the state it found, so the kernel looks as if the cell ran 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -261,7 +262,7 @@ class Session:
         seconds, counted_from = budget
         left = max(0.0, seconds - (time.perf_counter() - counted_from))
         timed = timing.interleaved(
-            {c.label: (lambda c=c: self._one_run(c)) for c in runnable},
+            {c.label: functools.partial(self._one_run, c) for c in runnable},
             left,
             self._report_progress,
             min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
