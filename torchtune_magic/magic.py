@@ -151,6 +151,10 @@ class PerfcheckMagics(Magics):
             if panel is not None:
                 panel.close()
             raise error.original.with_traceback(error.original.__traceback__) from None
+        except BaseException:  # Ctrl-C or an engine failure: no panel left half-built
+            if panel is not None:
+                panel.close()
+            raise
         if session.applied_ids:
             _holding_fixes.append(session)
         if options.quiet:

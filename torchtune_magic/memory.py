@@ -8,6 +8,7 @@ allocated during the run above the start — not RSS, which glibc's caching blur
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -73,6 +74,7 @@ def profiled(device: str) -> Iterator[Profile]:
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    _warm_up_profiler_once()
     prof = profile(activities=activities, profile_memory=True)
     with tracked(device) as cuda_tracker:
         with _native_stderr_silenced():
@@ -99,6 +101,24 @@ def _native_stderr_silenced() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+@functools.cache
+def _warm_up_profiler_once() -> None:
+    """Start the profiler once, silently, on a throwaway run.
+
+    The first profiler start in a process pays the Kineto set-up, and freeing a block that
+    was allocated before profiling prints a one-time C++ warning into the cell's output.
+    Both happen here instead of inside the user's measured run.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    block = torch.empty(1024)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():
+        prof.start()
+        del block
+        prof.stop()
 
 
 def _read_tree(roots: list, result: Profile) -> None:
