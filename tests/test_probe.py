@@ -48,7 +48,7 @@ def test_records_forward_backward_steps_loaders_and_lines():
     assert obs.optimizer_steps[id(ns["opt"])][1] == 4
     assert [c.detail for c in obs.zero_grad_calls] == [True] * 4
     loader_use = obs.loaders[id(ns["loader"])]
-    assert loader_use.batches == 5  # four batches and the StopIteration
+    assert loader_use.batches == 4  # the StopIteration ending the epoch is no batch
     assert loader_use.wait_s > 0 and loader_use.lines == {1}
     linear0, relu = ns["model"][0], ns["model"][1]
     assert obs.edges[(id(linear0), id(relu))] == 4  # by tensor identity
