@@ -240,6 +240,51 @@ ZOO: list[ZooCell] = [
         TRAIN_STEP.replace("opt.zero_grad()", "opt.zero_grad(set_to_none=False)"),
         expect=("zero-grad-none",),
     ),
+    ZooCell(
+        "slow-io-loader in a trainer object",
+        LOADER + "class Trainer:\n"
+        "    def __init__(self):\n"
+        "        self.loader = DataLoader(SlowFileDataset(), batch_size=16, shuffle=True)\n"
+        "trainer = Trainer()\n",
+        LOADER_LOOP.replace("in loader", "in trainer.loader"),
+        expect=("dataloader-workers",),
+        targets={"dataloader-workers": Target("speedup", 2.0)},
+    ),
+    ZooCell(
+        "slow-io-loader behind a generator closure",
+        LOADER + "def stream(loader):\n"
+        "    def batches():\n"
+        "        yield from loader\n"
+        "    return batches\n"
+        "batches = stream(DataLoader(SlowFileDataset(), batch_size=16))\n",
+        LOADER_LOOP.replace("in loader", "in batches()"),
+        expect=("dataloader-workers",),
+        targets={"dataloader-workers": Target("speedup", 2.0)},
+    ),
+    ZooCell(
+        "conv-bias-bn in a custom forward (train)",
+        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.bn = nn.BatchNorm2d(16)\n"
+        "        self.conv = nn.Conv2d(3, 16, 3, padding=1)\n"
+        "    def forward(self, x):\n"
+        "        return self.bn(self.conv(x)).relu().mean()\n"
+        "net = Block()\nopt = torch.optim.SGD(net.parameters(), lr=0.01)\n"
+        "images = torch.randn(8, 3, 32, 32)\n",
+        "for _ in range(3):\n    opt.zero_grad()\n    net(images).backward()\n    opt.step()\n",
+        expect=("conv-bias-bn",),
+        also=("channels-last",),
+    ),
+    ZooCell(
+        "conv then relu then bn (control)",
+        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.BatchNorm2d(16)).eval()\n"
+        "images = torch.randn(8, 3, 32, 32)\n",
+        "with torch.no_grad():\n    out = net(images)\n",
+        also=("channels-last",),
+    ),
     ZooCell("clean-training (control)", MLP, TRAIN_STEP),
     ZooCell(
         "clean-inference (control)",
