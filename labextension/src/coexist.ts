@@ -6,32 +6,43 @@
  * is not mounted (reopened notebook, kernel gone) the report shows and the widget-view
  * outputs of the cell that failed to render are hidden instead.
  *
- * How a failed widget-view output looks in the DOM (from @jupyter-widgets/jupyterlab-manager
+ * How an unrendered widget-view output looks in the DOM (from @jupyter-widgets/jupyterlab-manager
  * `WidgetRenderer.renderModel` and @jupyterlab/outputarea): the output area wraps each output
  * in a `.jp-OutputArea-child` panel holding the renderer's node as `.jp-OutputArea-output`.
  * Renderers built on `RenderedCommon` (text, HTML, images ...) carry a `data-mime-type`
- * attribute; the widget renderer is a Lumino `Panel` that does not. When the model cannot
- * be found, the widget renderer replaces its content by the bare text
+ * attribute; the widget renderer is a Lumino `Panel` (class `lm-Panel`) that does not. Until
+ * the widget manager is restored it holds the bare text "Loading widget..." (for good when
+ * there is no kernel); when the model cannot be found it reads
  * "Error displaying widget: model not found" (or "Error displaying widget" when the view
- * fails) and adds the class `jupyter-widgets` to its own node. A rendered widget instead
- * has the view's element as a child, and a pending one reads "Loading widget...".
+ * fails) and gets the class `jupyter-widgets`. A rendered widget has the view's element as a
+ * child instead, so it never matches; a hidden output comes back as soon as that happens.
+ *
+ * In an untrusted notebook (not signed here) JupyterLab shows the widget output's text/plain
+ * fallback instead. The live panel's repr is `torchtune-magic live panel (run <run_id>)`, so
+ * a text/plain output reading exactly that is hidden as well.
  */
 
 const HIDDEN_ATTR = 'data-ttm-hidden';
 const OUTPUT_AREA = '.jp-OutputArea';
 const OUTPUT_ITEM = 'jp-OutputArea-child';
 const OUTPUT_NODE = 'jp-OutputArea-output';
-const WIDGET_ERROR_PREFIX = 'Error displaying widget';
+const WIDGET_PLACEHOLDERS = ['Error displaying widget', 'Loading widget...'];
 
-/** Whether a `.jp-OutputArea-output` node is a widget view that failed to render. */
-export function isFailedWidgetView(output: Element): boolean {
+/** Whether a `.jp-OutputArea-output` node is a widget view that is not (or cannot be) shown. */
+function isUnrenderedWidgetView(output: Element): boolean {
+  const text = (output.textContent ?? '').trim();
   return (
     output.classList.contains(OUTPUT_NODE) &&
-    output.classList.contains('jupyter-widgets') &&
+    output.classList.contains('lm-Panel') &&
     !output.hasAttribute('data-mime-type') &&
     output.childElementCount === 0 &&
-    (output.textContent ?? '').trim().startsWith(WIDGET_ERROR_PREFIX)
+    WIDGET_PLACEHOLDERS.some(placeholder => text.startsWith(placeholder))
   );
+}
+
+/** The text/plain fallback of the live panel of this run (its Python `repr`). */
+function livePanelRepr(runId: string): string {
+  return `torchtune-magic live panel (run ${runId})`;
 }
 
 function setHidden(node: HTMLElement, hidden: boolean): void {
@@ -101,6 +112,18 @@ export class LivePanelWatcher {
     return this.area.querySelector(selector) !== null;
   }
 
+  /** Whether an output is what the live panel left behind: a placeholder or its repr. */
+  private isLivePanelStandIn(output: Element): boolean {
+    if (isUnrenderedWidgetView(output)) {
+      return true;
+    }
+    return (
+      this._runId !== null &&
+      output.getAttribute('data-mime-type') === 'text/plain' &&
+      (output.textContent ?? '').trim() === livePanelRepr(this._runId)
+    );
+  }
+
   private update(): void {
     if (this.area === null) {
       return;
@@ -112,7 +135,7 @@ export class LivePanelWatcher {
         continue;
       }
       const output = Array.from(item.children).find(child => child.classList.contains(OUTPUT_NODE));
-      setHidden(item, !live && output !== undefined && isFailedWidgetView(output));
+      setHidden(item, !live && output !== undefined && this.isLivePanelStandIn(output));
     }
   }
 

@@ -63,12 +63,16 @@ class Lab:
         """The notebook in the current tab."""
         return self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
 
-    def open_notebook(self, notebook: str) -> None:
-        """Open a notebook alone in a workspace of this test's own, with its kernel idle."""
+    def goto_notebook(self, notebook: str) -> None:
+        """Load JupyterLab with this notebook alone, in a workspace of this test's own."""
         workspace = re.sub(r"[^A-Za-z0-9-]+", "-", self.name)
+        self.page.goto(f"{self.server.url}/lab/workspaces/{workspace}/tree/{notebook}")
+
+    def open_notebook(self, notebook: str) -> None:
+        """Open a notebook and wait until its kernel is idle."""
 
         def attempt() -> None:
-            self.page.goto(f"{self.server.url}/lab/workspaces/{workspace}/tree/{notebook}")
+            self.goto_notebook(notebook)
             self.cell(0).locator(".cm-content").wait_for(state="visible", timeout=30_000)
             self.notebook_panel.locator(
                 ".jp-Notebook-ExecutionIndicator[data-status='idle']"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import nbformat
+from nbformat.sign import NotebookNotary
 
 # Silence the news / update pop-up so it never covers what the tests look at.
 SETTINGS_OVERRIDES = {
@@ -38,6 +39,7 @@ class JupyterLab:
 
     url: str
     root: Path
+    data_dir: Path
     process: subprocess.Popen[bytes]
 
     def api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -57,6 +59,21 @@ class JupyterLab:
             "language": "python",
         }
         nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+        nbformat.write(nb, self.root / name)
+        return name
+
+    def write_saved_notebook(
+        self, name: str, source: str, outputs: list[dict[str, Any]], *, trusted: bool
+    ) -> str:
+        """Write a notebook as if saved by an earlier session: one cell with these display
+        outputs and no kernelspec (JupyterLab then asks which kernel to start). A trusted
+        one is signed, as JupyterLab signs the notebooks it saves."""
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell(source, execution_count=1)
+        cell.outputs = [nbformat.v4.new_output("display_data", data=data) for data in outputs]
+        nb.cells = [cell]
+        if trusted:
+            NotebookNotary(data_dir=str(self.data_dir)).sign(nb)
         nbformat.write(nb, self.root / name)
         return name
 
@@ -90,8 +107,10 @@ def start_jupyter_lab(base: Path, log: IO[bytes]) -> JupyterLab:
     (app_settings / "overrides.json").write_text(json.dumps(SETTINGS_OVERRIDES))
 
     port = free_port()
+    data_dir = base / "data"  # notebook signatures (trust) of this server only
     env = {
         **os.environ,
+        "JUPYTER_DATA_DIR": str(data_dir),
         "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
         "IPYTHONDIR": str(base / "ipython"),
     }
@@ -112,7 +131,9 @@ def start_jupyter_lab(base: Path, log: IO[bytes]) -> JupyterLab:
         f"--LabApp.workspaces_dir={base / 'workspaces'}",
     ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
-    server = JupyterLab(url=f"http://127.0.0.1:{port}", root=root, process=process)
+    server = JupyterLab(
+        url=f"http://127.0.0.1:{port}", root=root, data_dir=data_dir, process=process
+    )
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
