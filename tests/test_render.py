@@ -36,3 +36,11 @@ def test_bundle_carries_report_json_and_fallbacks():
     data = bundle.render(Report.from_dict(SAMPLE))
     assert set(data) == {MIME_TYPE, "text/html", "text/plain"}
     assert data[MIME_TYPE] == SAMPLE
+
+
+def test_one_time_cost_and_break_even_are_shown_apart_from_the_speedup():
+    data = json.loads(json.dumps(SAMPLE))
+    data["variants"][0].update(one_time_s=13.8, break_even_runs=92)
+    out = text.render(Report.from_dict(data))
+    assert "1.54x; 13.80 s one-time (compile, worker start), pays back after 92 runs" in out
+    assert "13.80 s one-time" in html.render(Report.from_dict(data))

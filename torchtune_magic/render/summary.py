@@ -44,6 +44,17 @@ def speedup(variant: Variant | None) -> str:
         text += f" — {SLOWER}"
     if variant.noisy:
         text += " (noisy)"
+    one_time = one_time_cost(variant)
+    return f"{text}; {one_time}" if one_time else text
+
+
+def one_time_cost(variant: Variant) -> str:
+    """`13.8 s one-time (compile, worker start), pays back after 92 runs`, or ''."""
+    if variant.one_time_s is None:
+        return ""
+    text = f"{seconds(variant.one_time_s)} one-time (compile, worker start)"
+    if variant.break_even_runs is not None:
+        text += f", pays back after {variant.break_even_runs} runs"
     return text
 
 
