@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import textwrap
 from typing import Any
 
 import pytest
 import torch
+from workloads import detected, namespace_with
 
 import torchtune_magic
-from torchtune_magic.options import Options
 from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 DEEP_MLP = """
 import torch
@@ -42,16 +40,7 @@ STEP = "loss = model(x).square().mean()\nloss.backward()\nopt.step()\nopt.zero_g
 
 
 def namespace(setup: str = DEEP_MLP) -> dict[str, Any]:
-    ns: dict[str, Any] = {}
-    exec(textwrap.dedent(setup), ns)
-    return ns
-
-
-def detected(cell: str, ns: dict[str, Any], **options: Any) -> Session:
-    session = Session(Workload(cell, ns), Options.build(**options))
-    session.probe()
-    session.detect()
-    return session
+    return namespace_with(setup)
 
 
 def ids(session: Session) -> list[str]:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import torch
+import workloads
 from torch import nn
+from workloads import namespace_with
 
 from torchtune_magic import perfcheck
-from torchtune_magic.options import Options
 from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 EVAL = """
 with torch.no_grad():
@@ -60,16 +58,11 @@ x = torch.randn(2, 2, 6, 6, 6)
 
 
 def namespace(setup: str) -> dict:
-    ns = {"__name__": "__main__", "torch": torch, "nn": nn}
-    exec(textwrap.dedent(setup), ns)
-    return ns
+    return namespace_with(setup, torch=torch, nn=nn)
 
 
 def detected(cell: str, ns: dict, checks: str = "conv-bias-bn") -> Session:
-    session = Session(Workload(textwrap.dedent(cell), ns), Options.build(checks=checks))
-    session.probe()
-    session.detect()
-    return session
+    return workloads.detected(cell, ns, checks=checks)
 
 
 def _finding(cell: str, ns: dict):

@@ -4,12 +4,9 @@ and that every live fix round-trips exactly."""
 from __future__ import annotations
 
 import torch
-from workloads import namespace_with
+from workloads import detected, namespace_with
 
 from torchtune_magic import perfcheck
-from torchtune_magic.options import Options
-from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 PROFILED = """\
 with torch.profiler.profile() as prof:
@@ -29,13 +26,6 @@ for step in range(3):
     probe_input = torch.randn(12, 12, dtype=torch.double, requires_grad=True)
     torch.autograd.gradcheck(lambda t: (t.sin() @ t).tanh().sum(), (probe_input,))
 """
-
-
-def _session(cell: str, ns: dict, **options) -> Session:
-    session = Session(Workload(cell, ns), Options(**options))
-    session.probe()
-    session.detect()
-    return session
 
 
 def test_profiler_in_the_cell_is_found_and_the_fix_keeps_the_cell_running():
@@ -113,7 +103,7 @@ def test_manual_in_place_grad_zeroing_is_found_and_edited():
         "    torch.nn.functional.mse_loss(model(X), Y).backward()\n"
         "    opt.step()\n"
     )
-    session = _session(cell, ns, budget=1)
+    session = detected(cell, ns, budget=1)
     (detection,) = [d for d in session.detections if d.finding.id == "zero-grad-none"]
     assert detection.finding.fixable
     assert "+            p.grad = None" in detection.finding.code_change.diff
@@ -131,7 +121,7 @@ def test_each_fix_round_trips_and_fixes_compose_in_any_order():
         "    opt.step()\n"
     )
     ns = namespace_with()
-    session = _session(cell, ns, budget=1)
+    session = detected(cell, ns, budget=1)
     torch.autograd.set_detect_anomaly(True)  # as the cell leaves it
     names = {k: v for k, v in ns.items() if not k.startswith("__")}
     ids = [d.finding.id for d in session.fixable]

@@ -7,16 +7,14 @@ live patch, which is lazy: torch.compile does its work on the first call.
 from __future__ import annotations
 
 import os
-import textwrap
 from typing import Any
 
 import pytest
 import torch
+from workloads import detected, namespace_with
 
 import torchtune_magic
-from torchtune_magic.options import Options
 from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 GELU_DEF = """
 import torch
@@ -38,17 +36,7 @@ def inductor_cache(tmp_path_factory: pytest.TempPathFactory):
 
 
 def namespace(*setups: str) -> dict[str, Any]:
-    ns: dict[str, Any] = {}
-    for setup in setups:  # one exec per "earlier cell"
-        exec(textwrap.dedent(setup), ns)
-    return ns
-
-
-def detected(cell: str, ns: dict[str, Any], **options: Any) -> Session:
-    session = Session(Workload(cell, ns), Options.build(**options))
-    session.probe()
-    session.detect()
-    return session
+    return namespace_with(*setups)  # one exec per "earlier cell"
 
 
 def finding(session: Session, check_id: str = "fuse-pointwise"):

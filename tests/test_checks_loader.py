@@ -5,19 +5,18 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import re
-import textwrap
 
 import pytest
 import torch
+import workloads
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from workloads import namespace_with
 
 from tests.slow_data import SlowDataset
 from torchtune_magic import perfcheck
 from torchtune_magic.checks import loader as loader_checks
-from torchtune_magic.options import Options
 from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 TRAIN = """
 for x, y in loader:
@@ -30,16 +29,14 @@ for x, y in loader:
 
 def namespace(setup: str) -> dict:
     """A notebook-like namespace after running the earlier cell `setup`."""
-    ns = {
-        "__name__": "__main__",
-        "torch": torch,
-        "nn": nn,
-        "DataLoader": DataLoader,
-        "TensorDataset": TensorDataset,
-        "SlowDataset": SlowDataset,
-    }
-    exec(textwrap.dedent(setup), ns)
-    return ns
+    return namespace_with(
+        setup,
+        torch=torch,
+        nn=nn,
+        DataLoader=DataLoader,
+        TensorDataset=TensorDataset,
+        SlowDataset=SlowDataset,
+    )
 
 
 MODEL = """
@@ -50,10 +47,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
 
 def detected(cell: str, ns: dict, checks: str = "dataloader-workers") -> Session:
-    session = Session(Workload(textwrap.dedent(cell), ns), Options.build(checks=checks))
-    session.probe()
-    session.detect()
-    return session
+    return workloads.detected(cell, ns, checks=checks)
 
 
 def _state(ns: dict) -> dict[str, torch.Tensor]:

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import itertools
-import textwrap
 from typing import Any
 
 import pytest
 import torch
+from workloads import detected, namespace_with
 
 import torchtune_magic
 from torchtune_magic.checks.memory_format import conv_timings
-from torchtune_magic.options import Options
 from torchtune_magic.render import summary, text
-from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 CNN = """
 import torch
@@ -39,16 +36,7 @@ INFER = "with torch.no_grad():\n    out = net(images)\n"
 
 
 def namespace(setup: str = CNN) -> dict[str, Any]:
-    ns: dict[str, Any] = {}
-    exec(textwrap.dedent(setup), ns)
-    return ns
-
-
-def detected(cell: str, ns: dict[str, Any], **options: Any) -> Session:
-    session = Session(Workload(cell, ns), Options.build(**options))
-    session.probe()
-    session.detect()
-    return session
+    return namespace_with(setup)
 
 
 def layout(model: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...], torch.Tensor]]:

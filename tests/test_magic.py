@@ -63,11 +63,7 @@ def test_inference_cell_gets_no_grad_and_trained_one_not(ip):
 
 def test_plain_zero_grad_and_inference_mode_decorator_are_not_flagged(ip):
     ip.run_cell(TRAIN_SETUP)
-    ip.run_cell(
-        "@torch.inference_mode()\n"
-        "def evaluate(batch):\n"
-        "    return model(batch)\n"
-    )
+    ip.run_cell("@torch.inference_mode()\ndef evaluate(batch):\n    return model(batch)\n")
     report = ip.run_cell(
         "%%perfcheck -o --budget 1\n"
         "for step in range(4):\n"
@@ -148,7 +144,16 @@ def test_list_revert_apply_and_unload(ip, capsys):
 def test_help_lists_every_option(ip):
     doc = ip.magics_manager.magics["cell"]["perfcheck"].__doc__
     for option in (
-        "--checks", "--skip", "--budget", "--quick", "--apply", "--json", "-o", "-q",
-        "--no-widget", "--no-restore", "--device",
+        "--checks",
+        "--skip",
+        "--budget",
+        "--quick",
+        "--apply",
+        "--json",
+        "-o",
+        "-q",
+        "--no-widget",
+        "--no-restore",
+        "--device",
     ):
         assert option in doc, option

@@ -5,6 +5,10 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from torchtune_magic.options import Options
+from torchtune_magic.session import Session
+from torchtune_magic.workload import Workload
+
 TRAIN_SETUP = """
 import torch
 from torch import nn
@@ -17,9 +21,18 @@ Y = torch.randn(128, 1)
 """
 
 
-def namespace_with(setup: str = TRAIN_SETUP) -> dict[str, Any]:
-    ns: dict[str, Any] = {}
-    exec(textwrap.dedent(setup), ns)
+def namespace_with(*setups: str, **names: Any) -> dict[str, Any]:
+    """A notebook-like namespace: `names` pre-bound, then each setup run as an earlier cell
+    (the training setup when none is given)."""
+    ns: dict[str, Any] = {"__name__": "__main__", **names}
+    for setup in setups or (TRAIN_SETUP,):
+        exec(textwrap.dedent(setup), ns)
     return ns
 
 
+def detected(cell: str, ns: dict[str, Any], **options: Any) -> Session:
+    """A session that has probed `cell` and run the checks, not yet measured."""
+    session = Session(Workload(textwrap.dedent(cell), ns), Options.build(**options))
+    session.probe()
+    session.detect()
+    return session

@@ -28,6 +28,7 @@ REPORT_MIME = "application/vnd.torchtune-magic.report.v1+json"
 TOGGLE_COMMAND = "torchtune-magic:toggle-perfcheck"
 TOGGLE_SHORTCUT = "Control+Shift+Y"
 NOT_RUN_PROMPT = re.compile(r"^\[\s*\]:$")
+RAN_PROMPT = re.compile(r"^\[\d+\]:$")
 
 
 def retry(action: Callable[[], None], attempts: int = 3) -> None:
@@ -86,21 +87,25 @@ class Lab:
     def focus_editor(self, index: int) -> None:
         self.cell(index).locator(".cm-content").click()
 
-    def run_cell(self, index: int, until: str) -> Locator:
-        """Run a cell (Ctrl+Enter) until `until` appears in it; return that element.
+    def run_cell(self, index: int, until: str | None = None, timeout: float = 30_000) -> Locator:
+        """Run a cell (Ctrl+Enter) until `until` appears in it (default: until it has run);
+        return that element.
 
         Right after the page loads the kernel can look idle before the notebook is
         connected to it, and the run is then silently skipped: retry when the prompt
         did not change to [*] or a number.
         """
-        target = self.cell(index).locator(until).first
         prompt = self.cell(index).locator(".jp-InputPrompt")
+        target = prompt if until is None else self.cell(index).locator(until).first
 
         def attempt() -> None:
             self.focus_editor(index)
             self.page.keyboard.press("Control+Enter")
             expect(prompt).not_to_have_text(NOT_RUN_PROMPT, timeout=5_000)
-            target.wait_for(state="attached", timeout=30_000)
+            if until is None:
+                expect(prompt).to_have_text(RAN_PROMPT, timeout=timeout)
+            else:
+                target.wait_for(state="attached", timeout=timeout)
 
         retry(attempt)
         return target

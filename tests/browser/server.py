@@ -113,6 +113,7 @@ def start_jupyter_lab(base: Path, log: IO[bytes]) -> JupyterLab:
         "JUPYTER_DATA_DIR": str(data_dir),
         "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
         "IPYTHONDIR": str(base / "ipython"),
+        "TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"),
     }
     command = [
         sys.executable,

@@ -93,6 +93,19 @@ def _patch_everywhere(
     patcher.replace_everywhere(namespace, original, value)
 
 
+def _replaced_while_running(
+    namespace: dict[str, Any], owners: list[Any], names: set[str], value: Any
+) -> contextlib.AbstractContextManager[Any]:
+    """A run context in which each API `name` of `owners` (and any namespace name bound to
+    it, e.g. after `from torch.autograd import gradcheck`) is `value`."""
+
+    def build(patcher: Patcher) -> None:
+        for name in names:
+            _patch_everywhere(patcher, namespace, owners, name, value)
+
+    return patched(build)
+
+
 class AnomalyOffFix(Fix):
     """Anomaly mode off: globally now, and the cell's own calls turned into no-ops."""
 
@@ -108,12 +121,7 @@ class AnomalyOffFix(Fix):
 
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
         owners = [torch.autograd, sys.modules["torch.autograd.anomaly_mode"]]
-
-        def build(patcher: Patcher) -> None:
-            for name in ANOMALY_NAMES:
-                _patch_everywhere(patcher, namespace, owners, name, _NoAnomaly)
-
-        return patched(build)
+        return _replaced_while_running(namespace, owners, ANOMALY_NAMES, _NoAnomaly)
 
 
 class AnomalyCheck(Check):
@@ -281,12 +289,7 @@ class SkipGradcheckFix(Fix):
 
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
         owners = [torch.autograd, sys.modules["torch.autograd.gradcheck"]]
-
-        def build(patcher: Patcher) -> None:
-            for name in GRADCHECK_NAMES:
-                _patch_everywhere(patcher, namespace, owners, name, _skipped_check)
-
-        return patched(build)
+        return _replaced_while_running(namespace, owners, GRADCHECK_NAMES, _skipped_check)
 
 
 class GradcheckCheck(Check):
