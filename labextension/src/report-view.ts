@@ -109,6 +109,7 @@ function renderFindings(report: IReport): HTMLElement {
     h('tr', {}, ...['Finding', 'Evidence', 'Where', 'Speedup (fix alone)', 'Memory', 'Results'].map(t => h('th', { text: t })))
   );
   const body = h('tbody');
+  const applied = new Set(report.applied ?? []);
   for (const finding of report.findings) {
     const variant = soloVariant(report, finding.id);
     const memory =
@@ -123,6 +124,8 @@ function renderFindings(report: IReport): HTMLElement {
           'td',
           { className: 'ttm-finding' },
           h('code', { className: 'ttm-finding-id', text: finding.id }),
+          applied.has(finding.id) &&
+            badge('applied', 'ttm-badge-applied', 'This fix was left applied to the live objects'),
           h('div', { className: 'ttm-finding-title', text: finding.title }),
           finding.guide && h('div', { className: 'ttm-note', text: `Guide: ${finding.guide}` }),
           finding.caveat ? h('div', { className: 'ttm-note ttm-caveat', text: `Caveat: ${finding.caveat}` }) : null
