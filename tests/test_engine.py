@@ -211,3 +211,13 @@ def test_optimized_cell_combines_every_code_change():
     assert "set_detect_anomaly(True)" not in optimized
     assert "zero_grad(set_to_none=True)" in optimized
     compile(optimized, "optimized", "exec")
+
+
+def test_changed_numerics_from_a_nondeterministic_cell_say_so():
+    ns = namespace_with()
+    cell = "noise = torch.randn(3) + float(time.perf_counter_ns() % 1000)\nout = model(X)\n"
+    ns["time"] = __import__("time")
+    report = perfcheck(cell, ns, budget=1, checks="no-grad")
+    variant = report.variant_for(["no-grad"])
+    assert variant.numerics.verdict == "changed"
+    assert "the cell itself is not deterministic" in variant.numerics.detail

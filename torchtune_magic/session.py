@@ -63,6 +63,7 @@ class Session:
         self.report: Report | None = None
         self._start_state: state.Snapshot | None = None
         self._applied: dict[str, fixes.Fix] = {}
+        self._memory_label: str | None = None
         self._started = time.perf_counter()
 
     # the one-shot flow ----------------------------------------------------------------------
@@ -235,7 +236,6 @@ class Session:
         self, configs: list[_Config], budget: tuple[float, float]
     ) -> tuple[list[Variant], Variant]:
         """`budget`: (seconds, the perf_counter time they are counted from)."""
-        obs = self._observed()
         outputs: dict[str, numerics.Outputs] = {}
         results: dict[str, Variant] = {}
         warmups: dict[str, float] = {}
@@ -289,8 +289,32 @@ class Session:
                 )
             elif self._start_state is None:
                 variant.numerics.detail = "not compared: state restore is off"
-        del obs
+        self._flag_nondeterminism(configs[0], results, outputs, watched)
         return [results[c.label] for c in configs[1:]], base
+
+    def _flag_nondeterminism(
+        self,
+        baseline: _Config,
+        results: dict[str, Variant],
+        outputs: dict[str, numerics.Outputs],
+        watched: tuple[set[str], dict],
+    ) -> None:
+        """A "changed" verdict only means something if the cell repeats itself: run the
+        baseline once more and say so when two baseline runs already differ."""
+        changed = [v for v in results.values() if v.numerics.verdict == "changed"]
+        if not changed or BASELINE not in outputs:
+            return
+        again: dict[str, numerics.Outputs] = {}
+        self._checked_run(baseline, again, watched)
+        drift = numerics.compare(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
+        if drift.verdict in ("identical", "not-compared"):
+            return
+        note = (
+            "the cell itself is not deterministic: two baseline runs from the same state "
+            f"already differ (max rel diff {drift.max_rel_diff or float('nan'):.1e})"
+        )
+        for variant in changed:
+            variant.numerics.detail = f"{variant.numerics.detail}; {note}"
 
     def _checked_run(
         self, config: _Config, outputs: dict[str, numerics.Outputs], watched: tuple[set[str], dict]
@@ -348,7 +372,7 @@ class Session:
 
         findings = [d.finding for d in sorted(self.detections, key=gain)]
         return Report(
-            environment=environment(obs.device, getattr(self, "_memory_label", None)),
+            environment=environment(obs.device, self._memory_label),
             baseline=Stats(
                 baseline.median_s,
                 baseline.iqr_s,
