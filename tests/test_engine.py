@@ -221,3 +221,15 @@ def test_changed_numerics_from_a_nondeterministic_cell_say_so():
     variant = report.variant_for(["no-grad"])
     assert variant.numerics.verdict == "changed"
     assert "the cell itself is not deterministic" in variant.numerics.detail
+
+
+def test_a_snapshot_that_would_not_fit_is_skipped_with_an_explanation(monkeypatch):
+    from torchtune_magic import state
+
+    monkeypatch.setattr(state, "available_memory_bytes", lambda: 1024)  # "1 KiB free"
+    ns = namespace_with()
+    report = perfcheck(TRAIN_CELL, ns, budget=1)
+    (warning,) = report.warnings
+    assert warning.startswith("state not restored: a snapshot would need")
+    assert "re-run the cells that set them up" in warning
+    assert report.variant_for(["debug-anomaly"]).numerics.verdict == "not-compared"
