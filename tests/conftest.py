@@ -14,9 +14,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".pyt
 @pytest.fixture(scope="session")
 def ipython_shell():
     """One real IPython InteractiveShell for the session (IPython allows one per process)."""
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing import globalipapp
 
-    shell = start_ipython()
+    globalipapp.start_ipython()  # starts it once per process; later calls return None
+    shell = globalipapp.get_ipython()
     shell.run_line_magic("load_ext", "torchtune_magic")
     yield shell
     shell.run_line_magic("perfcheck", "revert")

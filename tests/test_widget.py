@@ -46,12 +46,9 @@ def _namespace() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def shell():
+def shell(ipython_shell):
     """The real IPython shell the test suite shares (one per process)."""
-    from IPython.testing import globalipapp
-
-    globalipapp.start_ipython()
-    return globalipapp.get_ipython()
+    return ipython_shell
 
 
 @pytest.fixture
@@ -257,8 +254,11 @@ def test_measuring_shows_the_panel_at_once_and_close_closes_every_widget(shell: 
     from IPython.utils.capture import capture_output
 
     with capture_output() as shown:
-        panel = Panel.measuring(shell)
+        panel = Panel.measuring(shell, "abc123")
     assert len(shown.outputs) == 1
+    # what a front end that will not render widgets shows (and the labextension hides)
+    assert shown.outputs[0].data["text/plain"] == "torchtune-magic live panel (run abc123)"
+    assert "ttm-run-abc123" in panel.root._dom_classes
     assert panel.progress_box.layout.display != "none"
     panel.progress(0.5, "round 3")
     assert panel.bar.value == 0.5 and panel.status.value == "round 3"

@@ -133,18 +133,16 @@ class PerfcheckMagics(Magics):
     def _run(self, workload: Workload, options: Options) -> Report | None:
         __tracebackhide__ = True
         live = options.widget and not options.quiet and _widgets_can_render(self.shell)
-        panel = None
+        session = Session(workload, options)
+        _sessions.add(session)
+        panel = handle = None
         if live:
             from .render.widget import Panel
 
-            panel = Panel.measuring(self.shell)
-            progress = panel.progress
+            panel = Panel.measuring(self.shell, session.run_id)
+            session.progress = panel.progress
         elif not options.quiet:
-            progress, handle = _progress_printer(self.shell)
-        else:
-            progress, handle = None, None
-        session = Session(workload, options, progress)
-        _sessions.add(session)
+            session.progress, handle = _progress_printer(self.shell)
         try:
             report = session.run()
         except CellError as error:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import codeedit, discovery, fixes, memory, numerics, probe, state, timing
+from . import codeedit, discovery, fixes, memory, numerics, probe, state, timing, utilisation
 from .checks import Detection, registry
 from .options import Options
 from .report import NotApplicable, Report, Stats, Variant
@@ -63,6 +63,8 @@ class Session:
         self.report: Report | None = None
         self._start_state: state.Snapshot | None = None
         self._applied: dict[str, fixes.Fix] = {}
+        self._flops: utilisation.FlopCount | None = None  # counted once: fixes keep the math
+        self._flops_detail: str | None = None
         self._memory_label: str | None = None
         self._started = time.perf_counter()
 
@@ -171,7 +173,7 @@ class Session:
             budget = (budget_s, time.perf_counter())
         with self._fixes_lifted(), self._state_kept():
             variants, baseline = self._measure_configs(configs, budget)
-        self.report = self._build_report(baseline, variants)
+        self.report = self._build_report(baseline, variants, budget)
         if self.options.json:
             self.report.write_json(self.options.json)
         return self.report
@@ -259,6 +261,7 @@ class Session:
                     f"the cell raised with this fix: {type(original).__name__}: {original}"
                 )
             self._report_progress(0.0, f"warmed up {config.label}")
+        self._count_flops(configs[0])
         seconds, counted_from = budget
         left = max(0.0, seconds - (time.perf_counter() - counted_from))
         timed = timing.interleaved(
@@ -272,8 +275,9 @@ class Session:
             variant = results[label]
             variant.median_s, variant.iqr_s = measurement.median, measurement.iqr
             variant.runs, variant.noisy = measurement.runs, measurement.noisy
-            variant.one_time_s = measurement.one_time_s
+        self._set_one_time_costs(configs, results, timed)
         base = results[BASELINE]
+        self._add_throughput(configs, results)
         for config in configs[1:]:
             variant = results[config.label]
             if variant.error or not variant.median_s or not base.median_s:
@@ -291,6 +295,23 @@ class Session:
                 variant.numerics.detail = "not compared: state restore is off"
         self._flag_nondeterminism(configs[0], results, outputs, watched)
         return [results[c.label] for c in configs[1:]], base
+
+    @staticmethod
+    def _set_one_time_costs(
+        configs: list[_Config],
+        results: dict[str, Variant],
+        timed: dict[str, timing.Measurement],
+    ) -> None:
+        """First-run cost of fixes that can have one, beyond the baseline's own first run."""
+        base = timed.get(BASELINE)
+        base_extra = base.warmup_s - base.median if base and base.median is not None else 0.0
+        for config in configs[1:]:
+            measurement = timed.get(config.label)
+            if measurement is None or not any(f.one_time_cost for f in config.fixes):
+                continue
+            if measurement.one_time_s is not None:
+                extra = measurement.one_time_s - max(0.0, base_extra)
+                results[config.label].one_time_s = extra if extra > 0 else None
 
     def _flag_nondeterminism(
         self,
@@ -315,6 +336,38 @@ class Session:
         )
         for variant in changed:
             variant.numerics.detail = f"{variant.numerics.detail}; {note}"
+
+    def _count_flops(self, baseline: _Config) -> None:
+        """Model FLOPs of one untimed baseline run, once per session (a cell the counter
+        cannot run under is measured all the same, with the reason noted)."""
+        if self._flops is not None or self._flops_detail is not None:
+            return
+        try:
+            self._flops = utilisation.count(functools.partial(self._one_run, baseline))
+        except Exception as error:
+            original = getattr(error, "original", error)
+            self._flops_detail = (
+                f"FLOPs not counted: the cell failed under FlopCounterMode "
+                f"({type(original).__name__}: {original})"
+            )
+
+    def _add_throughput(self, configs: list[_Config], results: dict[str, Variant]) -> None:
+        """Achieved TFLOP/s and share of peak for every measured configuration."""
+        if self._flops is None:
+            return
+        device = self._observed().device
+        peaks, _ = utilisation.peaks_for(device, _device_name(device))
+        for config in configs:
+            variant = results[config.label]
+            if variant.error:
+                continue
+            got = utilisation.throughput(
+                self._flops, variant.median_s, peaks, config.ids, _amp_dtype(config.fixes)
+            )
+            variant.flops = self._flops.total
+            variant.achieved_tflops = got.achieved_tflops
+            variant.utilisation = got.utilisation
+            variant.peak_tflops = got.peak_tflops
 
     def _checked_run(
         self, config: _Config, outputs: dict[str, numerics.Outputs], watched: tuple[set[str], dict]
@@ -362,7 +415,10 @@ class Session:
             self.progress(fraction, message)
 
     # report ---------------------------------------------------------------------------------
-    def _build_report(self, baseline: Variant, variants: list[Variant]) -> Report:
+    def _build_report(
+        self, baseline: Variant, variants: list[Variant], budget: tuple[float, float]
+    ) -> Report:
+        """`budget`: (seconds, counted from) of this measurement, for budget_s/elapsed_s."""
         obs = self._observed()
         by_fix = {tuple(v.fixes): v for v in variants}
 
@@ -379,6 +435,12 @@ class Session:
                 baseline.runs,
                 baseline.peak_memory_bytes,
                 baseline.noisy,
+                flops=baseline.flops,
+                flops_breakdown=dict(self._flops.buckets) if self._flops else None,
+                flops_detail=self._flops_detail,
+                achieved_tflops=baseline.achieved_tflops,
+                utilisation=baseline.utilisation,
+                peak_tflops=baseline.peak_tflops,
             ),
             findings=findings,
             variants=variants,
@@ -387,8 +449,8 @@ class Session:
             warnings=list(self.warnings),
             cell=self.workload.source,
             run_id=self.run_id,
-            budget_s=self.options.budget,
-            elapsed_s=round(time.perf_counter() - self._started, 3),
+            budget_s=budget[0],
+            elapsed_s=round(time.perf_counter() - budget[1], 3),
         )
 
     def _observed(self) -> probe.Observation:
@@ -409,7 +471,8 @@ def _uses_cuda(obs: probe.Observation) -> bool:
 
 def environment(device: str, memory_label: str | None) -> dict[str, Any]:
     """Facts a reader needs to judge the numbers."""
-    name = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+    name = _device_name(device)
+    peaks, source = utilisation.peaks_for(device, name)
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -419,7 +482,22 @@ def environment(device: str, memory_label: str | None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "memory_measure": memory_label
         or (memory.CUDA_LABEL if device == "cuda" else memory.CPU_LABEL),
+        "peak_tflops": peaks,
+        "peak_tflops_source": source,
     }
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+
+
+def _amp_dtype(applied: list[fixes.Fix]) -> str | None:
+    """The lower precision an autocast fix in `applied` runs matmuls in, if any."""
+    for fix in applied:
+        dtype = getattr(fix, "compute_dtype", None)
+        if dtype is not None:
+            return str(dtype).removeprefix("torch.")
+    return None
 
 
 def _cpu_name() -> str:

@@ -461,6 +461,7 @@ class _LoaderFix(Fix):
 
 class WorkersFix(_LoaderFix):
     check_id = "dataloader-workers"
+    one_time_cost = True  # starting the worker processes
 
 
 class PinMemoryFix(_LoaderFix):

@@ -56,7 +56,11 @@ def _result_html(report: Report, variant: Variant) -> str:
         color = NEUTRAL
     badges = "".join(
         _badge(text)
-        for text in (summary.memory_change(report, variant), summary.numerics(variant))
+        for text in (
+            summary.memory_change(report, variant),
+            summary.numerics(variant),
+            summary.throughput(variant),
+        )
         if text
     )
     return f'<b style="color:{color}">{_e(summary.speedup(variant))}</b> {badges}'
@@ -111,6 +115,17 @@ class _Row:
             self.result.value = "<i>not measured alone; toggle it on and Re-time</i>"
 
 
+class _PanelRoot(widgets.VBox):
+    """The panel's outermost box. Its `text/plain` is what a front end shows when it will not
+    render widgets (an untrusted notebook); the JupyterLab renderer hides exactly that line
+    next to the saved report, so it must stay in step with labextension/src/coexist.ts."""
+
+    run_id = ""
+
+    def __repr__(self) -> str:
+        return f"torchtune-magic live panel (run {self.run_id})"
+
+
 class Panel:
     """The live %%perfcheck panel for one Session.
 
@@ -119,7 +134,7 @@ class Panel:
     then calls `attach` with the finished session, or `close` if the cell raised.
     """
 
-    def __init__(self, shell: Any | None = None):
+    def __init__(self, shell: Any | None = None, run_id: str = ""):
         self._shell = shell
         self.session: Session | None = None
         self.report: Report | None = None
@@ -168,7 +183,7 @@ class Panel:
         )
         for button in self.buttons.children:
             button.layout.width = "auto"  # the default width cuts the longer labels
-        self.root = widgets.VBox(
+        self.root = _PanelRoot(
             [
                 self.header,
                 self.progress_box,
@@ -181,6 +196,8 @@ class Panel:
             ]
         )
         self.root.add_class("ttm-live-panel")
+        if run_id:
+            self._mark_run(run_id)
         self._set_busy(True)
 
         self.retime_button.on_click(lambda _: self._guarded(self.retime))
@@ -189,11 +206,16 @@ class Panel:
         self.code_toggle.observe(lambda _: self._guarded(self._refresh_code), "value")
 
     @classmethod
-    def measuring(cls, shell: Any) -> Panel:
+    def measuring(cls, shell: Any, run_id: str) -> Panel:
         """Show the panel now, so its progress bar moves during the first measurement."""
-        panel = cls(shell)
+        panel = cls(shell, run_id)
         display(panel.root)
         return panel
+
+    def _mark_run(self, run_id: str) -> None:
+        """Tie the panel to its run, so the saved report of the same run hides behind it."""
+        self.root.run_id = run_id
+        self.root.add_class(f"ttm-run-{run_id}")
 
     @property
     def display_id(self) -> str | None:
@@ -209,7 +231,8 @@ class Panel:
         """Bind the finished session: rows, chart, and the saved-report output."""
         self.session = session
         session.progress = self.progress
-        self.root.add_class(f"ttm-run-{session.run_id}")
+        if self.root.run_id != session.run_id:
+            self._mark_run(session.run_id)
         self.rows = {f.id: _Row(f) for f in report.findings}
         for row in self.rows.values():
             if row.toggle is not None:
