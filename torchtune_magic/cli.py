@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .runner import DEFAULT_TIMEOUT_S
+
 
 def _demo(args: argparse.Namespace) -> int:
     from . import demo, perfcheck
@@ -25,6 +27,40 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from . import runner
+    from .render import text
+
+    notebook = Path(args.notebook)
+    print(f"running {notebook} (kernel {args.kernel}, timeout {args.timeout:g} s per cell)…")
+    try:
+        result = runner.run_notebook(
+            notebook, timeout=args.timeout, kernel_name=args.kernel, output=args.output
+        )
+    except runner.RunError as error:
+        print(f"error: {error}", file=sys.stderr)
+        if args.output:
+            print(f"the notebook, executed up to the error, is in {args.output}", file=sys.stderr)
+        return 1
+    print(f"ran in {result.seconds:.1f} s; {len(result.reports)} %%perfcheck report(s)\n")
+    for item in result.reports:
+        print(f"=== {notebook.name}, cell {item.cell} ===")
+        print(text.render(item.report), end="\n\n")
+    if not result.reports:
+        print(f"note: {notebook} has no %%perfcheck cell that displayed a report")
+    if args.json:
+        for path in runner.write_json(result.reports, args.json, notebook.stem):
+            print(f"JSON report written to {path}")
+    if args.html:
+        path = Path(args.html)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(runner.html_page(result.reports, f"%%perfcheck reports: {notebook.name}"))
+        print(f"HTML reports written to {path}")
+    if args.output:
+        print(f"executed notebook written to {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m torchtune_magic")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +69,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--html", metavar="FILE", help="also write the report as HTML")
     demo.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     demo.set_defaults(handler=_demo)
+    run = commands.add_parser(
+        "run",
+        help="execute a notebook headless and print/write its %%perfcheck reports",
+        description="Execute NOTEBOOK with nbclient in its own folder, print the final report "
+        "of every %%perfcheck cell, and write them as JSON and HTML. Exits 1 if a cell fails.",
+    )
+    run.add_argument("notebook", metavar="NOTEBOOK", help="the .ipynb file to execute")
+    run.add_argument(
+        "--json", metavar="DIR", help="write each report to DIR/<notebook-stem>-cell<N>.json"
+    )
+    run.add_argument("--html", metavar="FILE", help="write every report into one HTML page")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds one cell may run (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    run.add_argument("--output", metavar="NB", help="also save the executed notebook to NB")
+    run.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
+    run.set_defaults(handler=_run)
     return parser
 
 
