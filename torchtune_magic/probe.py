@@ -26,6 +26,20 @@ from .fixes import Patcher
 from .workload import Workload
 
 SPAN_MARK = "perfcheck::mark#"
+MAX_SHAPES = 8  # distinct input shapes remembered per module
+# Tensor methods that make the host wait for the tensor's value (a device sync on CUDA)
+SYNC_METHODS = (
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__format__",
+    "__repr__",
+)
 PROFILER_NAMES = frozenset({"profile", "profiler", "emit_nvtx", "emit_itt", "record_function"})
 
 
@@ -40,6 +54,8 @@ class ModuleUse:
     lines: set[int] = field(default_factory=set)
     input_nchw_4d: int = 0  # outer calls given a 4-D contiguous (NCHW) tensor
     input_shape: tuple[int, ...] | None = None  # first tensor argument of the first call
+    input_shapes: set[tuple[int, ...]] = field(default_factory=set)  # distinct, up to 8
+    autocast_calls: int = 0  # calls made with autocast on for the module's device
 
 
 @dataclass
@@ -66,6 +82,17 @@ class CallSite:
     owner: Any = None
     seconds: float = 0.0
     detail: Any = None
+
+
+@dataclass
+class HostCopy:
+    """A host-to-CUDA tensor copy (`.to(device)` / `.cuda()`) and where it came from."""
+
+    line: int | None
+    pinned: bool
+    non_blocking: bool
+    from_loader: bool
+    nbytes: int
 
 
 @dataclass
@@ -112,6 +139,10 @@ class Observation:
     zeroed_grad_params: int = 0
     optimizer_steps: dict[int, tuple[torch.optim.Optimizer, int]] = field(default_factory=dict)
     loaders: dict[int, LoaderUse] = field(default_factory=dict)
+    host_copies: list[HostCopy] = field(default_factory=list)
+    # reads of tensor values by the host from the cell's own code (.item(), print(t), …);
+    # kind = the call, detail = the tensor's device type
+    host_syncs: list[CallSite] = field(default_factory=list)
     ops: list[OpEvent] | None = None
     op_totals: dict[str, tuple[int, float]] = field(default_factory=dict)  # name: (count, µs)
     scopes: list[Scope] = field(default_factory=list)  # recorded only when ops are
@@ -149,6 +180,7 @@ class _Recorder:
         self.built_loaders: dict[int, int | None] = {}  # id -> cell line, built during the run
         self.batch_tensors: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.watched_params: dict[int, torch.Tensor] = {}
+        self.sync_depth = 0  # inside a recorded host sync (print(t) calls t.item() …)
         self.own_profiler = False  # our profiler is on: `_profiler_enabled()` is no evidence
         # spans as pairs of marker numbers; the markers' profiler times become Scope times
         self.marks = 0
@@ -176,10 +208,13 @@ class _Recorder:
                 use.input_nchw_4d += 1
             for param in module.parameters():
                 self.watched_params.setdefault(id(param), param)
+        shape = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), None)
         if use.input_shape is None:
-            use.input_shape = next(
-                (tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), None
-            )
+            use.input_shape = shape
+        if shape is not None and len(use.input_shapes) < MAX_SHAPES:
+            use.input_shapes.add(shape)
+        if _autocast_on(module):
+            use.autocast_calls += 1
         if self.own_profiler:
             self.module_starts.setdefault(id(module), []).append(self.mark())
         if torch.is_anomaly_enabled():
@@ -313,27 +348,54 @@ class _Recorder:
         return recorded_next
 
     def tensor_copy(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """Tensor.to / Tensor.cuda: count host-to-CUDA copies of loader batches."""
+        """Tensor.to / Tensor.cuda: every host-to-CUDA copy (loader batches counted on their
+        loader too), and CUDA-to-host copies from the cell's code as host syncs."""
 
         def recorded_copy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             result = original(tensor, *args, **kwargs)
+            if not isinstance(result, torch.Tensor) or result is tensor:
+                return result
+            if tensor.is_cuda and not result.is_cuda and self.from_user_code():
+                self.obs.host_syncs.append(CallSite("to(cpu)", self.line(), detail="cuda"))
+            if not result.is_cuda or tensor.is_cuda:
+                return result
+            non_blocking = bool(kwargs.get("non_blocking", False))
+            line = self.line()
             known = self.batch_tensors.get(id(tensor))
-            if (
-                known is not None
-                and known[0]() is tensor
-                and isinstance(result, torch.Tensor)
-                and result.is_cuda
-                and not tensor.is_cuda
-            ):
+            from_loader = known is not None and known[0]() is tensor
+            self.obs.host_copies.append(
+                HostCopy(line, tensor.is_pinned(), non_blocking, from_loader, tensor.nbytes)
+            )
+            if known is not None and from_loader:
                 use = self.obs.loaders[known[1]]
                 use.device_copies += 1
-                use.non_blocking_copies += bool(kwargs.get("non_blocking", False))
-                line = self.line()
+                use.non_blocking_copies += non_blocking
                 if line is not None:
                     use.copy_lines.add(line)
             return result
 
         return recorded_copy
+
+    def from_user_code(self) -> bool:
+        """Whether the caller of our wrapper is the cell or a function defined next to it."""
+        frame = sys._getframe(2)
+        return frame.f_globals is self.obs.workload.namespace
+
+    def host_sync(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A Tensor method that reads values on the host, counted when the cell's own code
+        calls it (not torch internals, not nested inside another such call)."""
+
+        def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.sync_depth or not self.from_user_code():
+                return original(tensor, *args, **kwargs)
+            self.obs.host_syncs.append(CallSite(kind, self.line(), detail=tensor.device.type))
+            self.sync_depth += 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                self.sync_depth -= 1
+
+        return recorded
 
     def timed_call(self, kind: str, sink: list[CallSite], original: Callable[..., Any]):
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -359,6 +421,16 @@ def _batch_tensors(batch: Any, depth: int = 3) -> Iterator[torch.Tensor]:
     elif depth and isinstance(batch, dict):
         for item in list(batch.values())[:64]:
             yield from _batch_tensors(item, depth - 1)
+
+
+def _autocast_on(module: torch.nn.Module) -> bool:
+    """Whether autocast is on for the device of the module's parameters."""
+    param = next(module.parameters(recurse=False), None)
+    device = param.device.type if param is not None else "cuda"
+    try:
+        return torch.is_autocast_enabled(device)
+    except TypeError:  # torch < 2.4 takes no device argument (and means CUDA)
+        return device == "cuda" and torch.is_autocast_enabled()
 
 
 def _is_nchw_4d(value: Any) -> bool:
@@ -400,6 +472,10 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
         patcher.setattr(DataLoader, "__iter__", recorder.loader_iter(DataLoader.__iter__))
         for name in ("to", "cuda"):
             patcher.setattr(torch.Tensor, name, recorder.tensor_copy(getattr(torch.Tensor, name)))
+        for name in SYNC_METHODS:
+            patcher.setattr(
+                torch.Tensor, name, recorder.host_sync(name, getattr(torch.Tensor, name))
+            )
         patcher.setattr(
             _BaseDataLoaderIter, "__next__", recorder.loader_next(_BaseDataLoaderIter.__next__)
         )

@@ -15,6 +15,14 @@ from typing import Any
 SCHEMA_ID = "torchtune-magic/report/v1"
 MIME_TYPE = "application/vnd.torchtune-magic.report.v1+json"
 NOISE_THRESHOLD = 0.10  # IQR/median above this is flagged, as torch.utils.benchmark does
+THROUGHPUT_FIELDS = (
+    "flops",
+    "flops_breakdown",
+    "flops_detail",
+    "achieved_tflops",
+    "utilisation",
+    "peak_tflops",
+)
 
 
 def load_schema() -> dict[str, Any]:
@@ -55,6 +63,12 @@ class Stats:
     runs: int
     peak_memory_bytes: int | None
     noisy: bool = False
+    flops: int | None = None  # model FLOPs of one run (FlopCounterMode)
+    flops_breakdown: dict[str, int] | None = None  # by "dtype kind", e.g. "float32 conv"
+    flops_detail: str | None = None  # why FLOPs were not counted, when they were not
+    achieved_tflops: float | None = None
+    utilisation: float | None = None  # share of the device's peak (None: no peak known)
+    peak_tflops: float | None = None  # the peak that share is of, for this precision mix
 
 
 @dataclass
@@ -81,6 +95,10 @@ class Variant:
     break_even_runs: int | None = None
     noisy: bool = False
     error: str | None = None
+    flops: int | None = None  # the baseline's: the fixes keep the model's math
+    achieved_tflops: float | None = None
+    utilisation: float | None = None
+    peak_tflops: float | None = None
 
     @property
     def is_slower(self) -> bool:
@@ -119,6 +137,10 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        for stats in [data["baseline"], *data["variants"]]:
+            for key in THROUGHPUT_FIELDS:
+                if stats.get(key, 0) is None:
+                    del stats[key]  # optional: reports without FLOPs read as before
         ordered = {"schema": SCHEMA_ID}
         ordered.update(data)
         return ordered

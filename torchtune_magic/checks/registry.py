@@ -9,7 +9,19 @@ from .base import Check
 
 @cache
 def all_checks() -> tuple[Check, ...]:
-    from . import autograd, checkpointing, conv_bn, debug, fusion, loader, memory_format
+    from . import (
+        autograd,
+        checkpointing,
+        conv_bn,
+        cuda,
+        debug,
+        fusion,
+        loader,
+        memory_format,
+        optimizer,
+        precision,
+        sync,
+    )
 
     return (
         debug.AnomalyCheck(),
@@ -23,6 +35,13 @@ def all_checks() -> tuple[Check, ...]:
         fusion.FusePointwiseCheck(),
         memory_format.ChannelsLastCheck(),
         checkpointing.ActivationCheckpointingCheck(),
+        precision.AmpCheck(),
+        precision.TF32Check(),
+        cuda.CudnnBenchmarkCheck(),
+        sync.HostSyncCheck(),
+        cuda.NonBlockingCopyCheck(),
+        optimizer.FusedOptimizerCheck(),
+        cuda.TensorOnDeviceCheck(),
     )
 
 

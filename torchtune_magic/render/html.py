@@ -55,7 +55,11 @@ def _finding_row(report: Report, index: int, variant: Variant | None, finding) -
     fix = summary.speedup(variant) if finding.fixable else "no live fix"
     badges = " ".join(
         f'<span style="border:1px solid #999;border-radius:3px;padding:0 3px">{_e(text)}</span>'
-        for text in (summary.numerics(variant), summary.memory_change(report, variant))
+        for text in (
+            summary.numerics(variant),
+            summary.memory_change(report, variant),
+            summary.throughput(variant),
+        )
         if text
     )
     change = ""

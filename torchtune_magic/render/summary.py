@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..report import Finding, Report, Variant
+from ..report import Finding, Report, Stats, Variant
 
 SLOWER = "measured slower here — not recommended"
 
@@ -79,12 +79,33 @@ def numerics(variant: Variant | None) -> str:
     return n.verdict
 
 
+def flops(value: int | None) -> str:
+    if value is None:
+        return "–"
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value} FLOP"
+
+
+def throughput(item: Stats | Variant | None) -> str:
+    """`41.2 TFLOP/s, 8.3% of peak (494.7 TFLOP/s)`, or '' where FLOPs were not counted."""
+    if item is None or item.achieved_tflops is None:
+        return ""
+    rate = item.achieved_tflops
+    text = f"{rate:.3g} TFLOP/s" if rate >= 1 else f"{rate * 1e3:.3g} GFLOP/s"
+    if item.utilisation is not None and item.peak_tflops:
+        text += f", {item.utilisation:.1%} of peak ({item.peak_tflops:.1f} TFLOP/s)"
+    return text
+
+
 def baseline_line(report: Report) -> str:
     b = report.baseline
     env = report.environment
     noisy = " (noisy)" if b.noisy else ""
+    compute = f", {flops(b.flops)}/run at {throughput(b)}" if b.flops else ""
     return (
         f"baseline {seconds(b.median_s)} ± {seconds(b.iqr_s)} IQR over {b.runs} runs{noisy}, "
-        f"peak memory {size(b.peak_memory_bytes)} — {env.get('device_name', '')} "
+        f"peak memory {size(b.peak_memory_bytes)}{compute} — {env.get('device_name', '')} "
         f"({env.get('device', '')}), torch {env.get('torch', '')}"
     )

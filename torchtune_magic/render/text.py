@@ -20,6 +20,7 @@ def render(report: Report) -> str:
             for label, text in (
                 ("memory", summary.memory_change(report, variant)),
                 ("numerics", summary.numerics(variant)),
+                ("compute", summary.throughput(variant)),
             ):
                 if text:
                     lines.append(f"   {label + ':':9} {text}")
@@ -36,6 +37,8 @@ def render(report: Report) -> str:
     for variant in together:
         lines.append("")
         lines.append(f"all fixes together ({', '.join(variant.fixes)}): {summary.speedup(variant)}")
+        if variant.achieved_tflops is not None:
+            lines.append(f"   compute:  {summary.throughput(variant)}")
     for item in report.not_applicable:
         lines.append(f"[{item.id}] {item.reason}")
     for warning in report.warnings:

@@ -1,0 +1,311 @@
+"""Math precision on tensor-core GPUs: autocast (AMP) and TF32 matmuls.
+
+Guide (GPU part): "Use mixed precision and AMP" and "Enable TF32 on Ampere and later".
+Both fixes change results a little by design, so each states its tolerance and the report
+records the measured numerics verdict next to the speedup.
+
+The detection reads what the probe saw (math modules called in float32 with autocast off,
+the profiler's matmul/conv op counts), not the device, so on a CPU observation it works the
+same (autocast exists on CPU too); `needs_cuda` keeps it out of CPU runs, where bf16 rarely
+pays off.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .. import codeedit, discovery
+from ..fixes import Fix, Patcher, patched
+from ..report import CodeChange
+from .base import Check, Detection
+
+if TYPE_CHECKING:
+    from ..probe import ModuleUse, Observation
+
+MATH_MODULES = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.MultiheadAttention,
+    nn.RNNBase,
+)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")
+CONV_OPS = ("aten::convolution", "aten::cudnn_convolution", "aten::mkldnn_convolution")
+# torch.testing.assert_close's default rtol for bfloat16: one bf16 rounding (8-bit mantissa,
+# unit roundoff 3.9e-3) a few times over. Used for fp16 too (finer mantissa, same bound).
+AMP_TOLERANCE = 1.6e-2
+# PyTorch's own tests compare TF32 results with 5e-3 (tf32_on_and_off); TF32 keeps 10 bits.
+TF32_TOLERANCE = 5e-3
+CLIP_CALLS = {"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"}
+
+
+def fp32_math(obs: Observation) -> list[ModuleUse]:
+    """Matmul/conv modules that ran in float32 with autocast off for at least one call."""
+    return [
+        use
+        for use in obs.modules.values()
+        if isinstance(use.module, MATH_MODULES)
+        and use.calls > use.autocast_calls
+        and any(p.dtype == torch.float32 for p in use.module.parameters(recurse=False))
+    ]
+
+
+def _op_counts(obs: Observation, names: tuple[str, ...]) -> int:
+    return sum(obs.op_totals.get(name, (0, 0.0))[0] for name in names)
+
+
+def _modules_text(uses: list[ModuleUse]) -> str:
+    counts: dict[str, int] = {}
+    for use in uses:
+        name = type(use.module).__name__
+        counts[name] = counts.get(name, 0) + use.calls - use.autocast_calls
+    return ", ".join(f"{name} ×{n}" for name, n in sorted(counts.items()))
+
+
+def _ops_text(obs: Observation) -> str:
+    matmuls, convs = _op_counts(obs, MATMUL_OPS), _op_counts(obs, CONV_OPS)
+    if not (matmuls or convs):
+        return ""
+    return f"; the profiler saw {matmuls} matmul and {convs} convolution ops"
+
+
+def _loop_lines(obs: Observation, uses: list[ModuleUse]) -> tuple[int, int] | None:
+    """First and last line of the cell statements that called these modules."""
+    lines = sorted({line for use in uses for line in use.lines})
+    if not lines:
+        return None
+    first = codeedit.top_statement_at(obs.tree, lines[0])
+    last = codeedit.top_statement_at(obs.tree, lines[-1])
+    if first is None or last is None:
+        return None
+    return first.lineno, last.end_lineno or last.lineno
+
+
+# amp ------------------------------------------------------------------------------------------
+
+
+def _scaled_step(optimizer: torch.optim.Optimizer, scaler: Any) -> Any:
+    """`optimizer.step` that goes through the GradScaler (unscale, skip on inf, update).
+
+    GradScaler.step calls `optimizer.step` itself: that inner call reaches the step that was
+    there before (the user's, or an LR scheduler's counting wrapper)."""
+    previous = optimizer.step
+    inside = False
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        nonlocal inside
+        if inside:
+            return previous(*args, **kwargs)
+        inside = True
+        try:
+            result = scaler.step(optimizer, *args, **kwargs)
+            scaler.update()
+            return result
+        finally:
+            inside = False
+
+    return step
+
+
+class AmpFix(Fix):
+    """Every run of the cell under `torch.autocast(device, dtype)`. With float16 in a training
+    cell, a fresh `GradScaler` per run scales `loss.backward()` and routes every optimizer
+    the cell can reach (found at run time, so a rebuilt one counts) through `scaler.step`
+    and `scaler.update`; all of it is undone when the run ends."""
+
+    check_id = "amp"
+    tolerance = AMP_TOLERANCE
+
+    def __init__(self, device_type: str, dtype: torch.dtype, scaled: bool):
+        super().__init__()
+        self.device_type = device_type
+        self.compute_dtype = dtype
+        self.scaled = scaled
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        return self._context(namespace)
+
+    @contextlib.contextmanager
+    def _context(self, namespace: dict[str, Any]) -> Iterator[None]:
+        with torch.autocast(self.device_type, dtype=self.compute_dtype):
+            if not self.scaled:
+                yield
+                return
+            scaler = torch.amp.GradScaler(self.device_type)
+            with patched(lambda patcher: self._scale(patcher, scaler, namespace)):
+                yield
+
+    @staticmethod
+    def _scale(patcher: Patcher, scaler: Any, namespace: dict[str, Any]) -> None:
+        backward = torch.Tensor.backward
+
+        def scaled_backward(loss: torch.Tensor, gradient: Any = None, *args: Any, **kw: Any):
+            if gradient is None and loss.numel() == 1:
+                loss = scaler.scale(loss)
+            return backward(loss, gradient, *args, **kw)
+
+        patcher.setattr(torch.Tensor, "backward", scaled_backward)
+        found = discovery.of_type(discovery.walk(namespace), torch.optim.Optimizer)
+        for entry in found:
+            patcher.setattr(entry.obj, "step", _scaled_step(entry.obj, scaler))
+
+
+class AmpCheck(Check):
+    id = "amp"
+    title = "Matmuls and convolutions run in float32 without autocast"
+    guide = "Use mixed precision and AMP"
+    needs_cuda = True
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        uses = fp32_math(obs)
+        if not uses:
+            return []
+        dtype = _amp_dtype(obs.device)
+        training = obs.backward_calls > 0
+        scaled = training and dtype == torch.float16
+        blocked = None
+        if scaled and len(obs.optimizers) != 1:
+            blocked = "float16 training needs one GradScaler per step: scale it by hand"
+        if scaled and any(codeedit.calls_named(obs.tree, CLIP_CALLS)):
+            blocked = "the cell clips gradients, which must be unscaled first (scaler.unscale_)"
+        name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+        evidence = (
+            f"{_modules_text(uses)} ran in float32 with autocast off{_ops_text(obs)}; "
+            f"autocast would run them in {name}" + (" with a GradScaler" if scaled else "")
+        )
+        if blocked:
+            evidence += f"; not applied live: {blocked}"
+        source = obs.workload.source
+        header = f'with torch.autocast("{obs.device}", dtype=torch.{name})'
+        span = _loop_lines(obs, uses)
+        fixed = codeedit.wrap_lines(source, *span, header) if span else source
+        elsewhere = []
+        if scaled:
+            elsewhere.append(
+                f"create scaler = torch.amp.GradScaler('{obs.device}') once, then "
+                "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()"
+            )
+        if not span:
+            elsewhere.append(f"run the forward passes under {header}")
+        fix = None if blocked else AmpFix(obs.device, dtype, scaled)
+        names = sorted({obs.module_path(use.module) for use in uses})
+        return [
+            Detection(
+                self.finding(
+                    evidence=evidence,
+                    where=", ".join(names[:6]) + (" …" if len(names) > 6 else ""),
+                    fixable=fix is not None,
+                    line=span[0] if span else None,
+                    caveat=(
+                        f"results change within {name}'s precision (compared with tolerance "
+                        f"{AMP_TOLERANCE:g}); losses and reductions stay float32 under autocast"
+                    ),
+                    code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
+                ),
+                fix,
+                fixed if fixed != source else None,
+            )
+        ]
+
+
+def _amp_dtype(device: str) -> torch.dtype:
+    """bfloat16 where the device has it (no loss scaling needed), else float16."""
+    if device == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+# tf32 -----------------------------------------------------------------------------------------
+
+
+class TF32Fix(Fix):
+    """`torch.set_float32_matmul_precision("high")` (and cuDNN TF32 if it was off); undo puts
+    back the exact previous settings."""
+
+    check_id = "tf32"
+    tolerance = TF32_TOLERANCE
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        previous = torch.get_float32_matmul_precision()
+        patcher.call(
+            lambda: torch.set_float32_matmul_precision("high"),
+            lambda: torch.set_float32_matmul_precision(previous),
+        )
+        if not torch.backends.cudnn.allow_tf32:
+            patcher.call(
+                lambda: setattr(torch.backends.cudnn, "allow_tf32", True),
+                lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
+            )
+
+
+class TF32Check(Check):
+    id = "tf32"
+    title = 'float32 matmuls run at full precision ("highest") on a TF32-capable GPU'
+    guide = "Enable TF32 on Ampere and later"
+    needs_cuda = True
+
+    def not_applicable(self, obs: Observation) -> str | None:
+        reason = super().not_applicable(obs)
+        if reason is None and torch.cuda.get_device_capability() < (8, 0):
+            return "not applicable: TF32 needs an Ampere or newer GPU (compute capability 8.0)"
+        return reason
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        if torch.get_float32_matmul_precision() != "highest":
+            return []
+        uses = [u for u in fp32_math(obs) if not isinstance(u.module, nn.modules.conv._ConvNd)]
+        matmuls = _op_counts(obs, MATMUL_OPS)
+        if not uses and not matmuls:
+            return []
+        seen = _modules_text(uses) + " ran in float32" if uses else "float32 matmuls ran"
+        evidence = (
+            f"{seen}; the profiler saw {matmuls} matmul ops; "
+            'torch.get_float32_matmul_precision() is "highest", so none uses TF32 tensor cores'
+        )
+        source = obs.workload.source
+        fixed = _with_precision_line(source)
+        return [
+            Detection(
+                self.finding(
+                    evidence=evidence,
+                    where=", ".join(sorted({obs.module_path(u.module) for u in uses}))
+                    or "matmuls in the cell",
+                    fixable=True,
+                    caveat=(
+                        "TF32 rounds matmul inputs to 10 mantissa bits (results compared with "
+                        f"tolerance {TF32_TOLERANCE:g}); the setting is process-wide"
+                    ),
+                    code_change=CodeChange(
+                        codeedit.unified_diff(source, fixed),
+                        ["or set it once at the top of the notebook"],
+                    ),
+                ),
+                TF32Fix(),
+                fixed,
+            )
+        ]
+
+
+def _with_precision_line(source: str) -> str:
+    """The cell with the precision setting as its first statement (after imports)."""
+    tree = ast.parse(source)
+    after = 0
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            after = node.end_lineno or node.lineno
+        else:
+            break
+    lines = source.splitlines(keepends=True)
+    line = 'torch.set_float32_matmul_precision("high")\n'
+    return "".join([*lines[:after], line, *lines[after:]])
