@@ -81,8 +81,17 @@ def _ops_text(obs: Observation) -> str:
 
 
 def _loop_lines(obs: Observation, uses: list[ModuleUse]) -> tuple[int, int] | None:
-    """First and last line of the cell statements that called these modules."""
-    lines = sorted({line for use in uses for line in use.lines})
+    """First and last line of the cell statements that called these modules (through the
+    outermost module that contains them: inner calls carry no cell line)."""
+    inner = {id(use.module) for use in uses}
+    lines = sorted(
+        {
+            line
+            for outer in obs.modules.values()
+            if outer.outer_calls and any(id(m) in inner for m in outer.module.modules())
+            for line in outer.lines
+        }
+    )
     if not lines:
         return None
     first = codeedit.top_statement_at(obs.tree, lines[0])
@@ -115,6 +124,8 @@ def _scaled_step(optimizer: torch.optim.Optimizer, scaler: Any) -> Any:
         finally:
             inside = False
 
+    if hasattr(previous, "_wrapped_by_lr_sched"):  # an LR scheduler checks for its wrapper
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return step
 
 
