@@ -64,3 +64,50 @@ export function formatMemoryChange(baseline: number | null, variant: number | nu
   const percent = baseline > 0 ? ` (${delta > 0 ? '+' : '−'}${Math.abs((100 * delta) / baseline).toFixed(1)}%)` : '';
   return `${sign}${formatBytes(delta)}${percent}`;
 }
+
+function finite(value: number | null | undefined): value is number {
+  return typeof value === 'number' && Number.isFinite(value);
+}
+
+/** Three significant digits without trailing zeros (Python's `:.3g`). */
+function significant(value: number): string {
+  return String(Number(value.toPrecision(3)));
+}
+
+/** A FLOP count such as "2.9 TFLOP" (the wording of `render/summary.py`). */
+export function formatFlops(flops: number | null | undefined): string {
+  if (!finite(flops)) {
+    return DASH;
+  }
+  for (const [unit, scale] of [
+    ['TFLOP', 1e12],
+    ['GFLOP', 1e9],
+    ['MFLOP', 1e6]
+  ] as const) {
+    if (flops >= scale) {
+      return `${(flops / scale).toFixed(1)} ${unit}`;
+    }
+  }
+  return `${flops} FLOP`;
+}
+
+/** An achieved rate given in TFLOP/s: "24.6 TFLOP/s", or "562 GFLOP/s" below 1 TFLOP/s. */
+export function formatRate(tflops: number | null | undefined): string {
+  if (!finite(tflops)) {
+    return DASH;
+  }
+  return tflops >= 1 ? `${significant(tflops)} TFLOP/s` : `${significant(tflops * 1e3)} GFLOP/s`;
+}
+
+/** "36.1% of peak", or "no peak known" when there is no peak to compare with (never 0%). */
+export function formatShareOfPeak(utilisation: number | null | undefined): string {
+  if (!finite(utilisation)) {
+    return 'no peak known';
+  }
+  return `${(utilisation * 100).toFixed(1)}% of peak`;
+}
+
+/** A peak rate, "989.4 TFLOP/s". */
+export function formatPeak(tflops: number): string {
+  return `${tflops.toFixed(1)} TFLOP/s`;
+}

@@ -5,6 +5,7 @@ import { renderCodeChanges } from './code-changes';
 import { h } from './dom';
 import { formatBytes, formatFactor, formatMemoryChange, formatSeconds, formatTiming } from './format';
 import { IFinding, IReport, IVariant, soloVariant, variantLabel } from './report';
+import { flopsBreakdown, throughputBadge, throughputItems } from './throughput';
 
 /** Speedups closer to 1 than this are reported as "no measurable change". */
 const NOISE_BAND = 0.02;
@@ -34,7 +35,8 @@ function renderHeader(report: IReport): HTMLElement {
       ]
     ],
     ['Runs', String(base.runs)],
-    ['Peak memory', formatBytes(base.peak_memory_bytes), env.memory_measure]
+    ['Peak memory', formatBytes(base.peak_memory_bytes), env.memory_measure],
+    ...throughputItems(report)
   ];
   if (report.elapsed_s !== null && report.elapsed_s !== undefined) {
     const budget = report.budget_s ? ` of a ${formatSeconds(report.budget_s)} budget` : '';
@@ -51,10 +53,16 @@ function renderHeader(report: IReport): HTMLElement {
     }
     list.appendChild(dd);
   }
-  return h('header', { className: 'ttm-header' }, h('h3', { text: '%%perfcheck report' }), list);
+  return h(
+    'header',
+    { className: 'ttm-header' },
+    h('h3', { text: '%%perfcheck report' }),
+    list,
+    flopsBreakdown(report)
+  );
 }
 
-function speedupCell(finding: IFinding, variant: IVariant | undefined): HTMLElement {
+function speedupCell(report: IReport, finding: IFinding, variant: IVariant | undefined): HTMLElement {
   const cell = h('td', { className: 'ttm-speedup' });
   if (variant === undefined) {
     cell.textContent = finding.fixable ? 'not measured' : 'not auto-fixable';
@@ -81,6 +89,10 @@ function speedupCell(finding: IFinding, variant: IVariant | undefined): HTMLElem
   }
   if (variant.noisy) {
     cell.appendChild(noisyBadge());
+  }
+  const throughput = throughputBadge(variant, report);
+  if (throughput) {
+    cell.appendChild(h('div', { className: 'ttm-throughput' }, throughput));
   }
   if (variant.one_time_s !== null) {
     const payback =
@@ -132,7 +144,7 @@ function renderFindings(report: IReport): HTMLElement {
         ),
         h('td', { text: finding.evidence }),
         h('td', { text: finding.where }),
-        speedupCell(finding, variant),
+        speedupCell(report, finding, variant),
         h('td', { text: memory }),
         numericsCell(variant)
       )
@@ -147,7 +159,7 @@ function renderFindings(report: IReport): HTMLElement {
   const combined = report.variants.find(v => v.fixes.length > 1);
   if (combined && combined.error === null && combined.speedup !== null) {
     const text = `${variantLabel(report, combined)} together: ${formatFactor(combined.speedup)}${combined.speedup < 1 ? ' — measured slower here — not recommended' : ''}`;
-    section.appendChild(h('p', { className: 'ttm-combined', text }));
+    section.appendChild(h('p', { className: 'ttm-combined', text }, throughputBadge(combined, report)));
   }
   return section;
 }

@@ -16,14 +16,37 @@ export interface IEnvironment {
   cpu_count: number;
   torch_threads?: number;
   memory_measure?: string;
+  /** Dense peak TFLOP/s per precision (bf16, fp16, tf32, fp32); null where none is known. */
+  peak_tflops?: Record<string, number> | null;
+  /** Where `peak_tflops` comes from, or why there is none. */
+  peak_tflops_source?: string;
 }
 
-export interface IStats {
+/** Compute throughput of one configuration (optional: absent in older reports). */
+export interface IThroughput {
+  /** Model FLOPs of one run. */
+  flops?: number | null;
+  /** FLOPs of one run / median_s, in TFLOP/s. */
+  achieved_tflops?: number | null;
+  /** Share of the device's peak; null where no peak is known. */
+  utilisation?: number | null;
+  /** The effective peak the share is of (this configuration's precision mix). */
+  peak_tflops?: number | null;
+}
+
+export interface IStats extends IThroughput {
   median_s: number | null;
   iqr_s: number | null;
   runs: number;
   peak_memory_bytes: number | null;
   noisy?: boolean;
+}
+
+export interface IBaseline extends IStats {
+  /** FLOPs by "dtype kind", e.g. "float32 conv". */
+  flops_breakdown?: Record<string, number> | null;
+  /** Why FLOPs were not counted, when they were not. */
+  flops_detail?: string | null;
 }
 
 export interface ICodeChange {
@@ -68,7 +91,7 @@ export interface IReport {
   run_id?: string;
   cell?: string;
   environment: IEnvironment;
-  baseline: IStats;
+  baseline: IBaseline;
   findings: IFinding[];
   variants: IVariant[];
   not_applicable?: INotApplicable[];

@@ -6,9 +6,9 @@ DISPLAY_REPORT = """\
 import json
 from IPython.display import display
 
-report = json.load(open("sample_report.json"))
+report = json.load(open({source!r}))
 report["run_id"] = {run_id!r}
-display({{
+{edit}display({{
     "application/vnd.torchtune-magic.report.v1+json": report,
     "text/html": "<b>html fallback of the report</b>",
     "text/plain": "<torchtune-magic report>",
@@ -25,9 +25,10 @@ display(panel)
 """
 
 
-def display_report(run_id: str) -> str:
-    """A cell that displays the sample report bundle with this run id."""
-    return DISPLAY_REPORT.format(run_id=run_id)
+def display_report(run_id: str, source: str = "sample_report.json", edit: str = "") -> str:
+    """A cell that displays a sample report bundle with this run id; `edit` is code run on
+    `report` (the parsed JSON) before it is displayed."""
+    return DISPLAY_REPORT.format(run_id=run_id, source=source, edit=edit)
 
 
 def live_panel_and_report(run_id: str) -> str:

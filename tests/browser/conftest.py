@@ -14,7 +14,9 @@ from jupyter_core.paths import jupyter_path
 from .lab import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, Lab
 from .server import JupyterLab, start_jupyter_lab
 
-SAMPLE_REPORT = Path(__file__).resolve().parents[1] / "data" / "sample_report.json"
+DATA = Path(__file__).resolve().parents[1] / "data"
+SAMPLE_REPORT = DATA / "sample_report.json"
+SAMPLE_REPORT_GPU = DATA / "sample_report_gpu.json"  # with the optional utilisation fields
 
 
 def _labextension_installed() -> bool:
@@ -34,6 +36,7 @@ def jupyter_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab
     with (ARTIFACTS / "jupyter-lab.log").open("wb") as log:
         server = start_jupyter_lab(tmp_path_factory.mktemp("jupyter-lab"), log)
         shutil.copy(SAMPLE_REPORT, server.root / "sample_report.json")
+        shutil.copy(SAMPLE_REPORT_GPU, server.root / "sample_report_gpu.json")
         try:
             yield server
         finally:

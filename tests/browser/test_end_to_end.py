@@ -30,9 +30,10 @@ def test_perfcheck_cell_toggle_retime_and_saved_report(lab: Lab, jupyter_lab: Ju
         return report.locator(f"tr[data-finding='{finding}'] .ttm-speedup")
 
     # Live: the panel lists the findings; the saved report is there, up to date, but hidden.
+    # (The panel carries its run id from the start: wait for the measuring to finish.)
     expect(panel).to_be_visible()
     for finding in ("debug-anomaly", "zero-grad-none"):
-        expect(panel.locator("code", has_text=finding).first).to_be_visible()
+        expect(panel.locator("code", has_text=finding).first).to_be_visible(timeout=MEASURE_TIMEOUT)
         expect(speedup(finding)).to_contain_text("×")
     expect(report).to_be_hidden()
     lab.screenshot("measured")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 
+import jsonschema
 import pytest
 from playwright.sync_api import expect
 
+from torchtune_magic.report import load_schema
+
 from .cells import display_report
+from .conftest import SAMPLE_REPORT, SAMPLE_REPORT_GPU
 from .lab import Lab
 from .server import JupyterLab
 
@@ -29,6 +34,15 @@ def test_report_renders_findings_table_and_chart(lab: Lab, jupyter_lab: JupyterL
     expect(summary).to_contain_text("2.13.0+cpu")
     expect(summary).to_contain_text("412 ms ± 11.0 ms")
     expect(summary).to_contain_text("288.0 MiB")
+    # A report without the optional utilisation fields renders as it always did.
+    expect(summary.locator("dt")).to_have_text(
+        ["Device", "PyTorch", "Baseline", "Runs", "Peak memory", "Measured in"]
+    )
+    expect(report.locator(".ttm-badge-throughput, .ttm-throughput")).to_have_count(0)
+    expect(report.locator(".ttm-flops-breakdown")).to_have_count(0)
+    expect(report).not_to_contain_text("FLOP")
+    expect(report).not_to_contain_text("of peak")
+    expect(report).not_to_contain_text("no peak known")
 
     rows = report.locator(".ttm-findings tbody tr")
     expect(rows).to_have_count(3)
@@ -100,3 +114,147 @@ def test_saved_report_renders_after_kernel_shutdown_and_reload(
     expect(report.locator(".ttm-findings tbody tr")).to_have_count(3)
     expect(report.locator("svg.ttm-chart rect.ttm-chart-bar")).to_have_count(7)
     lab.screenshot("reloaded")
+
+
+UTILISATION_FIELDS = {"flops", "flops_breakdown", "flops_detail", "achieved_tflops", "utilisation"}
+
+# The GPU sample with no peak for the device: what a GPU missing from the peak table gives.
+NO_PEAK = """\
+report["environment"]["device_name"] = "NVIDIA Example GPU"
+report["environment"]["peak_tflops"] = None
+report["environment"]["peak_tflops_source"] = (
+    "NVIDIA Example GPU is not in the peak table: achieved FLOP/s only"
+)
+for item in [report["baseline"], *report["variants"]]:
+    item["utilisation"] = None
+    item["peak_tflops"] = None
+"""
+
+# FLOPs not counted: the optional fields are dropped and the reason given.
+NOT_COUNTED = """\
+for item in [report["baseline"], *report["variants"]]:
+    for key in ("flops", "flops_breakdown", "achieved_tflops", "utilisation", "peak_tflops"):
+        item.pop(key, None)
+report["baseline"]["flops_detail"] = (
+    "FLOPs not counted: the cell failed under FlopCounterMode (RuntimeError: boom)"
+)
+"""
+
+
+def test_sample_reports_match_the_schema() -> None:
+    schema = load_schema()
+    old = json.loads(SAMPLE_REPORT.read_text())
+    gpu = json.loads(SAMPLE_REPORT_GPU.read_text())
+    jsonschema.validate(old, schema)
+    jsonschema.validate(gpu, schema)
+    # The old fixture stays free of the utilisation fields; the GPU one has them all.
+    assert not UTILISATION_FIELDS & set(old["baseline"])
+    assert not any({"flops", "achieved_tflops"} & set(v) for v in old["variants"])
+    assert "peak_tflops" not in old["environment"]
+    assert {"flops", "flops_breakdown", "achieved_tflops", "utilisation", "peak_tflops"} <= set(
+        gpu["baseline"]
+    )
+    assert all(v["utilisation"] for v in gpu["variants"])
+    assert gpu["environment"]["peak_tflops"]["bf16"] > 0
+
+
+def test_report_renders_utilisation(lab: Lab, jupyter_lab: JupyterLab) -> None:
+    notebook = jupyter_lab.write_notebook(
+        "utilisation.ipynb", [display_report("gpu-1", "sample_report_gpu.json")]
+    )
+    lab.open_notebook(notebook)
+    report = lab.run_cell(0, ".ttm-report")
+    expect(report).to_be_visible()
+
+    summary = report.locator(".ttm-summary")
+    expect(summary).to_contain_text("NVIDIA H200 (cuda, 16 CPUs, 16 torch threads)")
+    expect(summary.locator("dt")).to_have_text(
+        [
+            "Device",
+            "PyTorch",
+            "Baseline",
+            "Runs",
+            "Peak memory",
+            "FLOPs per run",
+            "Achieved",
+            "Share of peak",
+            "Measured in",
+        ]
+    )
+    expect(summary.locator("dd").nth(5)).to_have_text("2.9 TFLOP")
+    expect(summary.locator("dd").nth(6)).to_have_text("24.6 TFLOP/s")
+    share = summary.locator("dd").nth(7)
+    expect(share).to_have_text("36.1% of peak (68.2 TFLOP/s)")
+    expect(share).to_have_attribute(
+        "title",
+        re.compile(r"^H200: NVIDIA datasheet, dense \(no sparsity\), TFLOP/s — bf16 989\.4"),
+    )
+
+    breakdown = report.locator("details.ttm-flops-breakdown")
+    expect(breakdown.locator("summary")).to_have_text("FLOPs by precision and kind")
+    items = breakdown.locator("li")
+    expect(items.first).to_be_hidden()
+    breakdown.locator("summary").click()
+    expect(items).to_have_text(
+        ["float32 matmul: 2.9 TFLOP (97.8%)", "float32 conv: 63.3 GFLOP (2.2%)"]
+    )
+
+    amp = report.locator("tr[data-finding='amp'] .ttm-speedup")
+    expect(amp).to_contain_text("7.49× faster")
+    expect(amp.locator(".ttm-badge-throughput")).to_have_text("184 TFLOP/s · 18.6% of peak")
+    expect(amp.locator(".ttm-badge-throughput")).to_have_attribute(
+        "title", re.compile(r"^18\.6% of peak \(989\.4 TFLOP/s\); H200: ")
+    )
+    tf32 = report.locator("tr[data-finding='tf32'] .ttm-badge-throughput")
+    expect(tf32).to_have_text("98.1 TFLOP/s · 19.8% of peak")
+    host_sync = report.locator("tr[data-finding='host-sync'] .ttm-speedup")
+    expect(host_sync).to_have_text("not auto-fixable")
+    expect(report.locator(".ttm-combined")).to_have_text(
+        "all fixes together: 7.59×187 TFLOP/s · 18.9% of peak"
+    )
+    expect(report.locator(".ttm-combined .ttm-badge-throughput")).to_have_text(
+        "187 TFLOP/s · 18.9% of peak"
+    )
+    expect(report).not_to_contain_text("no peak known")
+    lab.screenshot("utilisation")
+
+
+def test_report_without_peak_or_flops(lab: Lab, jupyter_lab: JupyterLab) -> None:
+    notebook = jupyter_lab.write_notebook(
+        "no-peak.ipynb",
+        [
+            display_report("no-peak-1", "sample_report_gpu.json", NO_PEAK),
+            display_report("not-counted-1", "sample_report_gpu.json", NOT_COUNTED),
+        ],
+    )
+    lab.open_notebook(notebook)
+
+    # No peak known: the rates alone, never "0% of peak".
+    report = lab.run_cell(0, ".ttm-report")
+    share = report.locator(".ttm-summary dd").nth(7)
+    expect(share).to_have_text("no peak known")
+    expect(share).to_have_attribute(
+        "title", "NVIDIA Example GPU is not in the peak table: achieved FLOP/s only"
+    )
+    badges = report.locator(".ttm-badge-throughput")
+    expect(badges).to_have_text(
+        [
+            "184 TFLOP/s · no peak known",
+            "98.1 TFLOP/s · no peak known",
+            "187 TFLOP/s · no peak known",
+        ]
+    )
+    expect(report).not_to_contain_text("% of peak")
+
+    # FLOPs not counted: the reason, and no rates anywhere.
+    report = lab.run_cell(1, ".ttm-report")
+    summary = report.locator(".ttm-summary")
+    expect(summary.locator("dt")).to_have_text(
+        ["Device", "PyTorch", "Baseline", "Runs", "Peak memory", "FLOPs per run", "Measured in"]
+    )
+    expect(summary.locator("dd").nth(5)).to_have_text(
+        "FLOPs not counted: the cell failed under FlopCounterMode (RuntimeError: boom)"
+    )
+    expect(report.locator(".ttm-badge-throughput, .ttm-flops-breakdown")).to_have_count(0)
+    expect(report).not_to_contain_text("TFLOP/s")
+    lab.screenshot("no-peak")
