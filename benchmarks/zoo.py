@@ -71,7 +71,7 @@ import torch
 torch.manual_seed(0)
 def new_gelu(x):
     return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
-acts = torch.randn(256, 2048)
+acts = torch.randn(1024, 4096)  # 16 MiB: past the caches, as activations are
 """
 DEEP_RESIDUAL = """
 import torch

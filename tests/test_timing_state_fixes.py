@@ -89,3 +89,12 @@ def test_patcher_undo_is_exact_even_for_instance_attributes():
     patcher.undo()
     assert "method" not in vars(box) and box.method() == "class"
     assert ns == {"a": 1}
+
+
+def test_discovery_searches_classes_defined_by_exec_without_a_module_name():
+    ns: dict = {}
+    exec("import torch\nclass Trainer:\n    pass\ntrainer = Trainer()\n", ns)
+    model = torch.nn.Linear(2, 2)
+    ns["trainer"].net = model  # Trainer.__module__ is "builtins" here
+    found = discovery.walk(ns)
+    assert [str(loc) for loc in found[id(model)].locations] == ["trainer.net"]

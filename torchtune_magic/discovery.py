@@ -99,7 +99,9 @@ class Found:
 def _is_user_object(value: Any) -> bool:
     module = type(value).__module__ or ""
     root = module.split(".")[0]
-    return root not in {"torch", "numpy", "builtins", "IPython", "ipykernel", "ipywidgets"} and (
+    # Classes exec'd without a `__name__` in their globals report module "builtins": they
+    # are user classes all the same (real builtins have no instance __dict__ to search).
+    return root not in {"torch", "numpy", "IPython", "ipykernel", "ipywidgets"} and (
         hasattr(value, "__dict__")
     )
 

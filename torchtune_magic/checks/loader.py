@@ -17,6 +17,7 @@ import os
 import pickle
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -322,8 +323,12 @@ def in_process_per_batch(loader: DataLoader, batches: int) -> float | None:
 
 
 def worker_candidates(batches: int) -> list[int]:
-    cpus = min(os.cpu_count() or 1, MAX_WORKERS)
-    return sorted({k for k in (1, 2, cpus) if k <= max(1, min(cpus, batches))})
+    """Worker counts worth a trial: up to twice the cores, since loading that waits on
+    disk or network overlaps beyond the core count (CPU-bound loading then ties, and ties
+    go to fewer workers)."""
+    cores = os.cpu_count() or 1
+    most = max(1, min(2 * cores, MAX_WORKERS, batches))
+    return sorted({k for k in (1, 2, cores, 2 * cores) if k <= most})
 
 
 def pick_workers(plan: _LoaderPlan, use: LoaderUse) -> tuple[int | None, list[Trial]]:
@@ -334,7 +339,10 @@ def pick_workers(plan: _LoaderPlan, use: LoaderUse) -> tuple[int | None, list[Tr
     candidates = worker_candidates(use.batches)
     budget = TRIAL_BUDGET_S / len(candidates)
     trials = []
-    with _rng_kept(plan.original):
+    with _rng_kept(plan.original), warnings.catch_warnings():
+        # torch advises at most one worker per core; for loading that waits on I/O the trial
+        # measures whether more helps, so that advice is not printed for it.
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
         for k in candidates:
             overrides = {"num_workers": k, "persistent_workers": True}
             try:
