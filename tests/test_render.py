@@ -44,3 +44,10 @@ def test_one_time_cost_and_break_even_are_shown_apart_from_the_speedup():
     out = text.render(Report.from_dict(data))
     assert "1.54x; 13.80 s one-time (compile, worker start), pays back after 92 runs" in out
     assert "13.80 s one-time" in html.render(Report.from_dict(data))
+
+
+def test_a_speedup_inside_the_noise_band_is_no_measurable_change():
+    data = json.loads(json.dumps(SAMPLE))
+    data["variants"][0]["speedup"] = 1.01
+    out = text.render(Report.from_dict(data))
+    assert "1.01x — no measurable change" in out

@@ -216,7 +216,7 @@ def test_apply_all_measured_wins_then_revert_all(panel: Panel, session: Session)
     report = session.report
     assert report is not None
     report.variant_for(["debug-anomaly"]).speedup = 1.5
-    report.variant_for(["zero-grad-none"]).speedup = 0.9
+    report.variant_for(["zero-grad-none"]).speedup = 1.01  # within the no-change band
     panel.attach(session, report)
 
     panel.wins_button.click()

@@ -15,6 +15,7 @@ from typing import Any
 SCHEMA_ID = "torchtune-magic/report/v1"
 MIME_TYPE = "application/vnd.torchtune-magic.report.v1+json"
 NOISE_THRESHOLD = 0.10  # IQR/median above this is flagged, as torch.utils.benchmark does
+NO_CHANGE_BAND = 0.02  # speedups in [1, 1.02) read "no measurable change", never a win
 THROUGHPUT_FIELDS = (
     "flops",
     "flops_breakdown",
@@ -103,6 +104,13 @@ class Variant:
     @property
     def is_slower(self) -> bool:
         return self.speedup is not None and self.speedup < 1.0
+
+    @property
+    def is_win(self) -> bool:
+        """Faster by more than the no-change band (the labextension uses the same band)."""
+        return not self.error and self.speedup is not None and (
+            self.speedup >= 1.0 + NO_CHANGE_BAND
+        )
 
 
 @dataclass

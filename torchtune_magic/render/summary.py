@@ -42,6 +42,8 @@ def speedup(variant: Variant | None) -> str:
     text = f"{variant.speedup:.2f}x"
     if variant.is_slower:
         text += f" — {SLOWER}"
+    elif not variant.is_win:
+        text += " — no measurable change"
     if variant.noisy:
         text += " (noisy)"
     one_time = one_time_cost(variant)

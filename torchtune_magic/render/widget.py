@@ -50,7 +50,7 @@ def _result_html(report: Report, variant: Variant) -> str:
     """Speedup (a slower fix says so, never shown as a win), memory and numerics badges."""
     if variant.error or variant.is_slower:
         color = LOSS
-    elif variant.speedup is not None and variant.speedup > 1:
+    elif variant.is_win:
         color = WIN
     else:
         color = NEUTRAL
@@ -91,7 +91,7 @@ class _Row:
         )
         self.result = widgets.HTML()
         self.problem = widgets.HTML()
-        self.speedup: float | None = None  # of the latest solo measurement, for "apply wins"
+        self.measured_win = False  # the latest solo measurement beat the baseline clearly
         self._last_result = ""
         spacer = widgets.Box(layout=widgets.Layout(width="72px", flex="0 0 auto"))
         self.box = widgets.HBox(
@@ -106,7 +106,7 @@ class _Row:
             return
         variant = summary.solo_variant(report, self.finding)
         if variant is not None:
-            self.speedup = None if variant.error else variant.speedup
+            self.measured_win = variant.is_win
             self._last_result = _result_html(report, variant)
             self.result.value = self._last_result
         elif self._last_result:
@@ -267,9 +267,10 @@ class Panel:
         return report
 
     def apply_wins(self) -> None:
-        """Toggle on every fix whose latest solo measurement was faster than the baseline."""
+        """Toggle on every fix whose latest solo measurement was clearly faster than the
+        baseline (a 1.01x is no measurable change, not a win)."""
         for row in self.rows.values():
-            if row.toggle is not None and row.speedup is not None and row.speedup > 1:
+            if row.toggle is not None and row.measured_win:
                 row.toggle.value = True
 
     def revert_all(self) -> None:
