@@ -43,3 +43,13 @@ def test_combine_applies_independent_edits_and_drops_clashes():
     assert codeedit.combine(CELL, [first, second, clash]) == (
         "with ctx():\n    x(a)\n    y(a)\nz = 3\n"
     )
+
+
+def test_combine_applies_an_edit_inside_a_block_another_edit_reindents():
+    source = "with anomaly():\n    for i in r:\n        zero(False)\n        step()\n"
+    tree = ast.parse(source)
+    unwrapped = codeedit.unwrap_with(source, tree.body[0])
+    flipped = source.replace("zero(False)", "zero(True)")
+    assert codeedit.combine(source, [unwrapped, flipped]) == (
+        "for i in r:\n    zero(True)\n    step()\n"
+    )

@@ -157,3 +157,14 @@ def test_help_lists_every_option(ip):
         "--device",
     ):
         assert option in doc, option
+
+
+def test_insert_puts_the_optimized_cell_below(ip):
+    ip.run_cell(TRAIN_SETUP)
+    ip.run_cell(TRAIN.format(extra="-q"))
+    ip.rl_next_input = None
+    ip.run_line_magic("perfcheck", "insert")
+    inserted = ip.rl_next_input
+    assert "detect_anomaly" not in inserted  # every finding's change, none toggled on
+    assert "opt.zero_grad(set_to_none=True)" in inserted
+    compile(inserted, "inserted", "exec")

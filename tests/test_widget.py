@@ -131,7 +131,7 @@ def test_code_changes_follow_the_toggles(panel: Panel, session: Session) -> None
     panel.code_toggle.value = True
     assert "set_detect_anomaly" in panel.code_view.value  # all findings while none is on
     assert "set_to_none=True" in panel.optimized.value
-    assert "set_next_input" in panel.code_box.children[1].value  # says why there is no insert
+    assert "%perfcheck insert" in panel.code_box.children[1].value  # how to insert it
 
     panel.rows["debug-anomaly"].toggle.value = True
     assert panel.optimized.value == session.optimized_cell(["debug-anomaly"])

@@ -27,9 +27,10 @@ def unified_diff(old: str, new: str) -> str:
 def combine(source: str, fixed_versions: list[str]) -> str:
     """One cell with every fix's edit applied (each version was edited from `source`).
 
-    Edits are line ranges of the original; they are applied bottom-up. An edit overlapping
-    one already taken is dropped (the first wins), so the result always parses as well as
-    the individual versions do.
+    Edits are line ranges of the original, applied bottom-up. An edit overlapping one
+    already taken (e.g. a line changed inside a block another fix re-indents) is applied
+    afterwards where its lines now stand, re-indented to match; if they cannot be found
+    unambiguously it is dropped, so the result parses as well as the versions do.
     """
     original = source.splitlines(keepends=True)
     edits: list[tuple[int, int, list[str]]] = []
@@ -40,18 +41,42 @@ def combine(source: str, fixed_versions: list[str]) -> str:
             if tag != "equal":
                 edits.append((i1, i2, new[j1:j2]))
     taken: list[tuple[int, int, list[str]]] = []
+    clashing: list[tuple[int, int, list[str]]] = []
     for edit in edits:
         start, end, _ = edit
         clashes = any(
             (start < t_end and t_start < end) or (start == end == t_start == t_end)
             for t_start, t_end, _ in taken
         )
-        if not clashes:
-            taken.append(edit)
+        (clashing if clashes else taken).append(edit)
     lines = list(original)
     for start, end, replacement in sorted(taken, key=lambda e: (e[0], e[1]), reverse=True):
         lines[start:end] = replacement
+    for start, end, replacement in clashing:
+        lines = _apply_where_moved(lines, original[start:end], replacement)
     return "".join(lines)
+
+
+def _apply_where_moved(lines: list[str], old: list[str], new: list[str]) -> list[str]:
+    """Replace the one block of `lines` that reads `old` up to indentation by `new`,
+    shifted by the indentation that block gained or lost."""
+    if not old:
+        return lines
+    wanted = [line.strip() for line in old]
+    hits = [
+        i
+        for i in range(len(lines) - len(old) + 1)
+        if [line.strip() for line in lines[i : i + len(old)]] == wanted
+    ]
+    if len(hits) != 1:
+        return lines
+    at = hits[0]
+    was, now = _indent_of(old[0]), _indent_of(lines[at])
+    shifted = [
+        now + line[len(was) :] if line.startswith(was) and line.strip() else line
+        for line in new
+    ]
+    return lines[:at] + shifted + lines[at + len(old) :]
 
 
 def _indent_of(line: str) -> str:

@@ -23,6 +23,7 @@ from .workload import CellError, Workload
 # applied without a panel (`--apply` with `-q`/`--no-widget`) is held here until reverted.
 _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 _holding_fixes: list[Session] = []
+_latest: Session | None = None  # for `%perfcheck insert` (replaced by the next run)
 
 
 def _widgets_can_render(shell: Any) -> bool:
@@ -82,7 +83,7 @@ class PerfcheckMagics(Magics):
         "--device", choices=["cpu", "cuda"], help="device the work runs on (default: detected)"
     )
     @argument("--memory", action="store_true", help="memory is the constraint: report memory fixes")
-    @argument("command", nargs="*", help="line magic only: `list` or `revert`")
+    @argument("command", nargs="*", help="line magic only: `list`, `revert` or `insert`")
     @line_cell_magic
     def perfcheck(self, line: str, cell: str | None = None) -> Report | None:
         """Check a cell against the PyTorch Performance Tuning Guide, measure each fix.
@@ -97,6 +98,8 @@ class PerfcheckMagics(Magics):
 
         %perfcheck list     the checks, their ids and guide sections
         %perfcheck revert   undo every fix still applied by any %%perfcheck run
+        %perfcheck insert   put the last run's optimized cell below (the fixes toggled on,
+                            or all of them)
 
         Python API: torchtune_magic.perfcheck(cell, namespace, **same options).
         """
@@ -133,8 +136,10 @@ class PerfcheckMagics(Magics):
     def _run(self, workload: Workload, options: Options) -> Report | None:
         __tracebackhide__ = True
         live = options.widget and not options.quiet and _widgets_can_render(self.shell)
+        global _latest
         session = Session(workload, options)
         _sessions.add(session)
+        _latest = session
         panel = handle = None
         if live:
             from .render.widget import Panel
@@ -182,9 +187,16 @@ class PerfcheckMagics(Magics):
             _holding_fixes.clear()
             print(f"reverted: {', '.join(reverted)}" if reverted else "no fix was applied")
             return None
+        if command == "insert":
+            session = _latest
+            if session is None or not session.detections:
+                raise UsageError("%perfcheck insert: no %%perfcheck run with findings yet")
+            # Inside a running cell, so the front end acts on it (a widget click cannot).
+            self.shell.set_next_input(session.suggested_cell(), replace=False)
+            return None
         raise UsageError(
             f"%perfcheck {shlex.quote(command)}: use `%perfcheck list`, `%perfcheck revert`, "
-            "or `%%perfcheck [options]` on top of a cell"
+            "`%perfcheck insert`, or `%%perfcheck [options]` on top of a cell"
         )
 
 
@@ -193,9 +205,11 @@ def register(shell: Any) -> None:
 
 
 def unregister(shell: Any) -> None:
+    global _latest
     for session in list(_sessions):
         session.revert_all()
     _holding_fixes.clear()
+    _latest = None
     magics = shell.magics_manager.magics
     for kind in ("line", "cell"):
         magics[kind].pop("perfcheck", None)

@@ -147,6 +147,10 @@ class Session:
     def fixable(self) -> list[Detection]:
         return [d for d in self.detections if d.fix is not None]
 
+    def suggested_cell(self) -> str:
+        """The cell with the code changes of the fixes applied now (of all, when none is)."""
+        return self.optimized_cell(self.applied_ids or None)
+
     def optimized_cell(self, check_ids: list[str] | None = None) -> str:
         """The cell with the code changes of these findings (default: all) applied."""
         versions = [

@@ -29,9 +29,9 @@ WIN, LOSS, NEUTRAL = "#2e7d32", "#c62828", "#616161"
 MEMORY_CHANGE = 0.01  # peak memory moved by less than this share is not called a change
 
 NO_INSERT_FROM_BUTTON = (
-    "Jupyter can only insert a cell in answer to a running cell: a button click gets no "
-    "reply, so `set_next_input` would only act after the next cell you run. Copy the "
-    "optimized cell from the box below instead."
+    "Jupyter can only insert a cell in answer to a running cell, not to a button click: "
+    "run `%perfcheck insert` in a cell to put the optimized cell below it, or copy it from "
+    "the box below."
 )
 
 
@@ -357,7 +357,7 @@ class Panel:
         if not self.code_toggle.value or self.session is None or self.report is None:
             return
         applied = self.session.applied_ids
-        cell = self.session.optimized_cell(applied or None)
+        cell = self.session.suggested_cell()
         diff = codeedit.unified_diff(self.session.workload.source, cell)
         elsewhere = [
             item
