@@ -73,8 +73,7 @@ def _apply_where_moved(lines: list[str], old: list[str], new: list[str]) -> list
     at = hits[0]
     was, now = _indent_of(old[0]), _indent_of(lines[at])
     shifted = [
-        now + line[len(was) :] if line.startswith(was) and line.strip() else line
-        for line in new
+        now + line[len(was) :] if line.startswith(was) and line.strip() else line for line in new
     ]
     return lines[:at] + shifted + lines[at + len(old) :]
 

@@ -108,8 +108,8 @@ class Variant:
     @property
     def is_win(self) -> bool:
         """Faster by more than the no-change band (the labextension uses the same band)."""
-        return not self.error and self.speedup is not None and (
-            self.speedup >= 1.0 + NO_CHANGE_BAND
+        return (
+            not self.error and self.speedup is not None and (self.speedup >= 1.0 + NO_CHANGE_BAND)
         )
 
 
