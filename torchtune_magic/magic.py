@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -37,7 +38,7 @@ def _widgets_can_render(shell: Any) -> bool:
     return True
 
 
-def _progress_printer(shell: Any):
+def _progress_printer() -> tuple[Callable[[float, str], None], Any]:
     """Text progress for front ends without widgets: one line updated in place."""
     from IPython.display import display
 
@@ -147,7 +148,7 @@ class PerfcheckMagics(Magics):
             panel = Panel.measuring(self.shell, session.run_id)
             session.progress = panel.progress
         elif not options.quiet:
-            session.progress, handle = _progress_printer(self.shell)
+            session.progress, handle = _progress_printer()
         try:
             report = session.run()
         except CellError as error:
