@@ -98,3 +98,12 @@ def test_discovery_searches_classes_defined_by_exec_without_a_module_name():
     ns["trainer"].net = model  # Trainer.__module__ is "builtins" here
     found = discovery.walk(ns)
     assert [str(loc) for loc in found[id(model)].locations] == ["trainer.net"]
+
+
+def test_patcher_switch_restores_a_torch_backend_flag():
+    before = torch.backends.cudnn.benchmark
+    patcher = Patcher()
+    patcher.switch(torch.backends.cudnn, "benchmark", not before)
+    assert torch.backends.cudnn.benchmark is (not before)
+    patcher.undo()
+    assert torch.backends.cudnn.benchmark is before

@@ -44,6 +44,14 @@ class Patcher:
 
         self._undo.append(restore)
 
+    def switch(self, owner: Any, name: str, value: Any) -> None:
+        """Set a global switch such as `torch.backends.cudnn.benchmark`; undo sets the value
+        read before. (These are properties of module classes, so `setattr`'s instance-dict
+        bookkeeping does not apply.)"""
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, old))
+
     def setitem(self, mapping: dict[Any, Any], key: Any, value: Any) -> None:
         old = mapping.get(key, _ABSENT)
         mapping[key] = value

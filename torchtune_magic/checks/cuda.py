@@ -39,11 +39,7 @@ class CudnnBenchmarkFix(Fix):
     one_time_cost = True  # autotuning every conv shape on the first run
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
-        previous = torch.backends.cudnn.benchmark
-        patcher.call(
-            lambda: setattr(torch.backends.cudnn, "benchmark", True),
-            lambda: setattr(torch.backends.cudnn, "benchmark", previous),
-        )
+        patcher.switch(torch.backends.cudnn, "benchmark", True)
 
 
 class CudnnBenchmarkCheck(Check):

@@ -253,11 +253,7 @@ class TF32Fix(Fix):
             lambda: torch.set_float32_matmul_precision("high"),
             lambda: torch.set_float32_matmul_precision(previous),
         )
-        if not torch.backends.cudnn.allow_tf32:
-            patcher.call(
-                lambda: setattr(torch.backends.cudnn, "allow_tf32", True),
-                lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
-            )
+        patcher.switch(torch.backends.cudnn, "allow_tf32", True)
 
 
 class TF32Check(Check):
