@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from torchtune_magic.engine.workload import Workload
 from torchtune_magic.options import Options
 from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 SETUP = """
 import torch

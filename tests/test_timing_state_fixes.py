@@ -7,8 +7,8 @@ import random
 import numpy as np
 import torch
 
-from torchtune_magic import discovery, state, timing
-from torchtune_magic.fixes import Patcher
+from torchtune_magic.engine import discovery, state, timing
+from torchtune_magic.engine.fixes import Patcher
 
 
 def test_interleaved_runs_alternate_and_stop_within_budget():

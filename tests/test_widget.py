@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from torchtune_magic.checks import Detection
-from torchtune_magic.fixes import Fix, Patcher
+from torchtune_magic.engine.fixes import Fix, Patcher
+from torchtune_magic.engine.workload import Workload
 from torchtune_magic.options import Options
 from torchtune_magic.render import summary
 from torchtune_magic.render.widget import Panel
 from torchtune_magic.report import MIME_TYPE, Finding
 from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 BUDGET_S = 1.0
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from torchtune_magic.engine.workload import Workload
 from torchtune_magic.options import Options
 from torchtune_magic.session import Session
-from torchtune_magic.workload import Workload
 
 TRAIN_SETUP = """
 import torch

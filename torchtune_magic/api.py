@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .engine.timing import Progress
 from .options import Options
 from .report import Report
-from .timing import Progress
 
 
 def perfcheck(
@@ -30,8 +30,8 @@ def perfcheck(
     `namespace=None` uses the running IPython's user namespace (so `perfcheck(code)` in a
     notebook sees your model). Display options (`quiet`, `no_widget`) belong to the magic.
     """
+    from .engine.workload import Workload
     from .session import Session
-    from .workload import Workload
 
     if namespace is None:
         namespace = _ipython_namespace()

@@ -15,10 +15,10 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from .engine.workload import CellError, Workload
 from .options import Options, OptionsError
 from .report import Report
 from .session import Session
-from .workload import CellError, Workload
 
 # Every session, for `%perfcheck revert`. Panels keep theirs alive; a session that left fixes
 # applied without a panel (`--apply` with `-q`/`--no-widget`) is held here until reverted.

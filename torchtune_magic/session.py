@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from . import codeedit, discovery, fixes, memory, numerics, probe, state, timing, utilisation
 from .checks import Detection, registry
+from .engine import codeedit, discovery, fixes, memory, numerics, probe, state, timing, utilisation
+from .engine.workload import Workload, silenced
 from .options import Options
 from .report import NotApplicable, Report, Stats, Variant
-from .workload import Workload, silenced
 
 BASELINE = "baseline"
 SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5

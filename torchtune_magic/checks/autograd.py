@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import codeedit
-from ..fixes import Fix, Patcher
+from ..engine import codeedit
+from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import Observation
+    from ..engine.probe import Observation
 
 
 def _lines_text(lines: list[int]) -> str:

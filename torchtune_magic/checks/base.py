@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from ..fixes import Fix
+from ..engine.fixes import Fix
 from ..report import Finding
 
 if TYPE_CHECKING:
-    from ..probe import Observation
+    from ..engine.probe import Observation
 
 GUIDE_URL = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 

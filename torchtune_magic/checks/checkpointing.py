@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..fixes import Fix, Patcher
+from ..engine.fixes import Fix, Patcher
+from ..engine.state import available_memory_bytes
 from ..report import CodeChange
-from ..state import available_memory_bytes
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import Observation
+    from ..engine.probe import Observation
 
 MIN_BLOCKS = 3
 DEVICE_SHARE = 0.5  # peak above this share of the device's (free) memory: memory-bound

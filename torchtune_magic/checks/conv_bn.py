@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..fixes import Fix, Patcher
+from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import Observation
+    from ..engine.probe import Observation
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 SHOWN = 4  # pairs named in the evidence before "and N more"

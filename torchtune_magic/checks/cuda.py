@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import codeedit
-from ..fixes import Fix, Patcher
+from ..engine import codeedit
+from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 from .loader import _lines_text, _non_blocking
 
 if TYPE_CHECKING:
-    from ..probe import HostCopy, Observation
+    from ..engine.probe import HostCopy, Observation
 
 
 def _mib(nbytes: int) -> str:

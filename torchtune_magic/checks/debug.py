@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import codeedit
-from ..fixes import Fix, Patcher, patched
+from ..engine import codeedit
+from ..engine.fixes import Fix, Patcher, patched
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import Observation
+    from ..engine.probe import Observation
 
 GUIDE = "Disable debugging APIs"
 ANOMALY_NAMES = {"detect_anomaly", "set_detect_anomaly"}

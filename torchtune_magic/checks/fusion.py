@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import codeedit, discovery
-from ..fixes import Fix, FixError, Patcher
+from ..engine import codeedit, discovery
+from ..engine.fixes import Fix, FixError, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import Observation, OpEvent, Scope
+    from ..engine.probe import Observation, OpEvent, Scope
 
 MIN_SHARE = 0.15  # pointwise chains must take this share of the cell's time
 MIN_RUN = 3  # ops in a row before a chain counts

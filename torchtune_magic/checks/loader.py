@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .. import codeedit
-from ..fixes import Fix, Patcher
+from ..engine import codeedit
+from ..engine.fixes import Fix, Patcher
+from ..engine.state import _RNGState
 from ..report import CodeChange
-from ..state import _RNGState
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..discovery import Location
-    from ..probe import LoaderUse, Observation
+    from ..engine.discovery import Location
+    from ..engine.probe import LoaderUse, Observation
 
 WAIT_SHARE = 0.05  # torch-tb-profiler's threshold for "data loading is a bottleneck"
 # Handing a batch from a worker to the main process costs on the order of a millisecond

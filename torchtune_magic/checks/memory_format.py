@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..fixes import Fix, Patcher
+from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import Observation
+    from ..engine.probe import Observation
 
 MAX_CONVS = 16  # convs micro-timed per model
 MICRO_BUDGET_S = 1.5  # wall time for all of a model's per-conv timing

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import codeedit
-from ..fixes import Fix, Patcher
+from ..engine import codeedit
+from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 from .loader import with_keywords
 
 if TYPE_CHECKING:
-    from ..discovery import Location
-    from ..probe import Observation
+    from ..engine.discovery import Location
+    from ..engine.probe import Observation
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _NOT_CARRIED = ("params", "fused", "foreach")

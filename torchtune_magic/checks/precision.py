@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import codeedit, discovery
-from ..fixes import Fix, Patcher, patched
+from ..engine import codeedit, discovery
+from ..engine.fixes import Fix, Patcher, patched
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import ModuleUse, Observation
+    from ..engine.probe import ModuleUse, Observation
 
 MATH_MODULES = (
     nn.Linear,

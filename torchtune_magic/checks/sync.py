@@ -21,7 +21,7 @@ from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe import Observation
+    from ..engine.probe import Observation
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")
 LABELS = {

@@ -19,8 +19,8 @@ from typing import Any
 import ipywidgets as widgets
 from IPython.display import display, update_display
 
-from .. import codeedit
-from ..fixes import FixError
+from ..engine import codeedit
+from ..engine.fixes import FixError
 from ..report import Finding, Report, Variant
 from ..session import Session
 from . import bundle, html, summary

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .report import Numerics
+from ..report import Numerics
 
 Outputs = dict[str, torch.Tensor]
 

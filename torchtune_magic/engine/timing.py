@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch.utils.benchmark import Measurement as _BenchMeasurement
 from torch.utils.benchmark.utils.common import TaskSpec
 
-from .report import NOISE_THRESHOLD
+from ..report import NOISE_THRESHOLD
 
 Progress = Callable[[float, str], None]  # (fraction done 0..1, message)
 
