@@ -151,6 +151,9 @@ class Observation:
     found: dict[int, discovery.Found] = field(default_factory=dict)
     preexisting: set[int] = field(default_factory=set)  # ids in `found` before the cell ran
     device: str = "cpu"
+    # minor page faults of this process during the probe run (None where the OS does not
+    # report them): the allocator handing memory back to the OS and faulting it in again
+    minor_faults: int | None = None
 
     @property
     def tree(self) -> ast.Module:
@@ -534,6 +537,15 @@ def _patch_profiler_entries(patcher: Patcher, recorder: _Recorder) -> None:
         patcher.setattr(owner, method, recorded)
 
 
+def minor_faults() -> int | None:
+    """Minor page faults of this process so far (`getrusage`), None where unavailable."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run(workload: Workload, device: str, *, use_profiler: bool | None = None) -> Observation:
     """Run the cell once under instrumentation. The user's exception propagates as CellError."""
     __tracebackhide__ = True
@@ -546,6 +558,7 @@ def run(workload: Workload, device: str, *, use_profiler: bool | None = None) ->
         use_profiler = not obs.profiler_at_start and not mentions_profiler(workload.tree)
     recorder = _Recorder(obs)
     recorder.own_profiler = use_profiler
+    faults_before = minor_faults()
     # Our profiler starts before the entry points are patched, so it is never mistaken for
     # one of the user's.
     if use_profiler:
@@ -569,6 +582,9 @@ def run(workload: Workload, device: str, *, use_profiler: bool | None = None) ->
             obs.wall_s = workload.run()
         obs.peak_memory = tracker.peak
     obs.anomaly_at_end = torch.is_anomaly_enabled()
+    faults_after = minor_faults()
+    if faults_before is not None and faults_after is not None:
+        obs.minor_faults = faults_after - faults_before
     for key, entry in discovery.walk(workload.namespace).items():
         known = obs.found.get(key)
         if known is None:
