@@ -31,6 +31,9 @@ class Check:
     title: ClassVar[str]
     guide: ClassVar[str]  # the guide's section title
     needs_cuda: ClassVar[bool] = False
+    # When the evidence counts as mattering for this cell, with the measurement the
+    # threshold came from (shown in the README's check table); "" where any occurrence does.
+    threshold: ClassVar[str] = ""
 
     def not_applicable(self, obs: Observation) -> str | None:
         """Why this check cannot apply to this run, or None."""
