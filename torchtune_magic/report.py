@@ -16,6 +16,11 @@ SCHEMA_ID = "torchtune-magic/report/v1"
 MIME_TYPE = "application/vnd.torchtune-magic.report.v1+json"
 NOISE_THRESHOLD = 0.10  # IQR/median above this is flagged, as torch.utils.benchmark does
 NO_CHANGE_BAND = 0.02  # speedups in [1, 1.02) read "no measurable change", never a win
+# What a report is showing: findings with numbers still coming in, the cell's own complete
+# run under way, all done, or stopped by the user (Ctrl-C) before every number was in.
+PHASES = ("measuring", "finishing", "done", "interrupted")
+STEP_UNITS = ("batch", "optimizer step", "forward")
+OPTIONAL_MEASUREMENT_FIELDS = ("projected_cell_s", "measured_at", "baseline_median_s")
 THROUGHPUT_FIELDS = (
     "flops",
     "flops_breakdown",
@@ -70,6 +75,10 @@ class Stats:
     achieved_tflops: float | None = None
     utilisation: float | None = None  # share of the device's peak (None: no peak known)
     peak_tflops: float | None = None  # the peak that share is of, for this precision mix
+    # sampled runs: the whole cell projected from the per-step time (steps x per-step time
+    # + the first run's time before its timed steps, one-time costs included)
+    projected_cell_s: float | None = None
+    measured_at: str | None = None  # ISO 8601 (UTC) when this measurement finished
 
 
 @dataclass
@@ -100,6 +109,9 @@ class Variant:
     achieved_tflops: float | None = None
     utilisation: float | None = None
     peak_tflops: float | None = None
+    projected_cell_s: float | None = None  # see Stats.projected_cell_s
+    measured_at: str | None = None  # when this measurement finished (ISO 8601, UTC)
+    baseline_median_s: float | None = None  # the baseline median its speedup is against
 
     @property
     def is_slower(self) -> bool:
@@ -120,6 +132,40 @@ class NotApplicable:
 
 
 @dataclass
+class Sampling:
+    """How a long cell was measured: every measuring run (baseline and each variant) stopped
+    at the same step, after the same warm-up steps; times are then per step."""
+
+    unit: str  # one of STEP_UNITS
+    steps_per_run: int | None  # steps in one complete run; None: unknown until that run
+    steps_detail: str  # how that number was known, e.g. "8 epochs x 12 batches = 96 steps"
+    warmup_steps: int  # run before the timed steps of every run, never timed
+    steps_timed: int  # timed steps of every run
+    probe_steps: int  # steps the instrumented probe ran before it stopped
+    probe_complete: bool  # the probe ran the whole cell (then it was the cell's own run)
+
+    @property
+    def stop_step(self) -> int:
+        """The step after which every measuring run stops."""
+        return self.warmup_steps + self.steps_timed
+
+
+@dataclass
+class CellRun:
+    """The cell's one complete run, which leaves the kernel as if the cell ran once.
+
+    `status`: "probe" (the instrumented probe ran the whole cell: that was its run),
+    "running", "complete", "interrupted" (Ctrl-C), "failed" (the cell raised), or
+    "skipped" (`--no-finish`: the kernel was left as before the cell)."""
+
+    status: str
+    seconds: float | None = None
+    steps: int | None = None
+    fixes: list[str] = field(default_factory=list)  # fixes the run used (`--apply`)
+    detail: str | None = None
+
+
+@dataclass
 class Report:
     """Everything one %%perfcheck run found and measured."""
 
@@ -134,11 +180,30 @@ class Report:
     run_id: str = ""
     budget_s: float | None = None
     elapsed_s: float | None = None
+    phase: str = "done"  # one of PHASES
+    sampling: Sampling | None = None  # set when runs were cut at a step
+    cell_run: CellRun | None = None
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
-        """The measured variant with exactly these fixes, if any."""
+        """The newest measurement of exactly these fixes, if any (`variants` keeps every
+        measurement, in the order they were taken)."""
         wanted = sorted(fixes)
-        return next((v for v in self.variants if sorted(v.fixes) == wanted), None)
+        return next((v for v in reversed(self.variants) if sorted(v.fixes) == wanted), None)
+
+    def latest_variants(self) -> list[Variant]:
+        """One variant per fix set, its newest measurement, in first-measured order."""
+        latest: dict[tuple[str, ...], Variant] = {}
+        for variant in self.variants:
+            key = tuple(sorted(variant.fixes))
+            latest.pop(key, None)
+            latest[key] = variant
+        order = {tuple(sorted(v.fixes)): i for i, v in reversed(list(enumerate(self.variants)))}
+        return sorted(latest.values(), key=lambda v: order[tuple(sorted(v.fixes))])
+
+    @property
+    def measuring(self) -> bool:
+        """Numbers are still coming in (a renderer says "measuring…" where one is missing)."""
+        return self.phase == "measuring"
 
     def finding(self, check_id: str) -> Finding | None:
         return next((f for f in self.findings if f.id == check_id), None)
@@ -146,9 +211,12 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for stats in [data["baseline"], *data["variants"]]:
-            for key in THROUGHPUT_FIELDS:
+            for key in (*THROUGHPUT_FIELDS, *OPTIONAL_MEASUREMENT_FIELDS):
                 if stats.get(key, 0) is None:
-                    del stats[key]  # optional: reports without FLOPs read as before
+                    del stats[key]  # optional: reports without them read as before
+        for key in ("sampling", "cell_run"):
+            if data[key] is None:
+                del data[key]
         ordered = {"schema": SCHEMA_ID}
         ordered.update(data)
         return ordered
@@ -188,11 +256,14 @@ class Report:
             run_id=data.get("run_id", ""),
             budget_s=data.get("budget_s"),
             elapsed_s=data.get("elapsed_s"),
+            phase=data.get("phase", "done"),
+            sampling=Sampling(**data["sampling"]) if data.get("sampling") else None,
+            cell_run=CellRun(**data["cell_run"]) if data.get("cell_run") else None,
         )
 
     def __repr__(self) -> str:
         """One line, like %timeit's result: `-o` must not print the whole report twice."""
-        measured = [v for v in self.variants if v.speedup is not None]
+        measured = [v for v in self.latest_variants() if v.speedup is not None]
         best = max(measured, key=lambda v: v.speedup or 0.0, default=None)
         tail = f", best {best.speedup:.2f}x ({'+'.join(best.fixes)})" if best else ""
         return f"<Report: {len(self.findings)} findings{tail}>"
