@@ -66,7 +66,7 @@ def test_fires_on_a_user_cnn_fed_nchw_and_measures_it():
     assert variant.error is None and variant.speedup is not None
     assert variant.numerics.verdict in ("identical", "close")
     # a fix measured slower is labelled so in every renderer's wording
-    label = summary.speedup(variant)
+    label = summary.speedup(report, variant)
     assert (summary.SLOWER in label) == (variant.speedup < 1.0)
     assert label in text.render(report)
     assert ns["net"].features[0].weight.is_contiguous()  # undone after measuring

@@ -126,11 +126,11 @@ def test_retime_click_updates_the_report_as_an_output_of_the_perfcheck_cell(
         manager.shutdown_kernel(now=True)
 
     updates = [m for m in during if m["msg_type"] == "update_display_data"]
-    assert len(updates) == 1
-    update = updates[0]
-    assert update["content"]["transient"] == {"display_id": f"ttm-report-{report['run_id']}"}
-    assert update["parent_header"]["msg_id"] == cell_id
-    assert update["content"]["data"][MIME_TYPE]["run_id"] == report["run_id"]
+    assert updates, "the re-time updates the saved report"
+    for update in updates:  # numbers stream in; every update goes to the %%perfcheck cell
+        assert update["content"]["transient"] == {"display_id": f"ttm-report-{report['run_id']}"}
+        assert update["parent_header"]["msg_id"] == cell_id
+        assert update["content"]["data"][MIME_TYPE]["run_id"] == report["run_id"]
     assert not [m for m in during if m["msg_type"] == "error"]
     logged = [
         output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,16 @@ def perfcheck(
     no_restore: bool = False,
     device: str | None = None,
     memory: bool = False,
+    no_finish: bool = False,
     progress: Progress | None = None,
+    on_report: Callable[[Report], None] | None = None,
 ) -> Report:
     """Run `cell` once, find what the tuning guide would change, measure each fix.
 
     `namespace=None` uses the running IPython's user namespace (so `perfcheck(code)` in a
     notebook sees your model). Display options (`quiet`, `no_widget`) belong to the magic.
+    `on_report` receives the report as it grows: findings first, then numbers as they are
+    measured, then the cell's complete run.
     """
     from .engine.workload import Workload
     from .session import Session
@@ -45,8 +50,9 @@ def perfcheck(
         no_restore=no_restore,
         device=device,
         memory=memory,
+        no_finish=no_finish,
     )
-    return Session(Workload(cell, namespace), options, progress).run()
+    return Session(Workload(cell, namespace), options, progress, on_report).run()
 
 
 def _ipython_namespace() -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shlex
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -38,22 +37,6 @@ def _widgets_can_render(shell: Any) -> bool:
     return True
 
 
-def _progress_printer() -> tuple[Callable[[float, str], None], Any]:
-    """Text progress for front ends without widgets: one line updated in place."""
-    from IPython.display import display
-
-    handle = display({"text/plain": "measuring…"}, raw=True, display_id=True)
-    shown = {"step": -1}
-
-    def progress(fraction: float, message: str) -> None:
-        step = int(fraction * 10)
-        if step != shown["step"] and handle is not None:
-            shown["step"] = step
-            handle.update({"text/plain": f"measuring… {fraction:.0%} ({message})"}, raw=True)
-
-    return progress, handle
-
-
 @magics_class
 class PerfcheckMagics(Magics):
     @magic_arguments()
@@ -68,8 +51,9 @@ class PerfcheckMagics(Magics):
     @argument("--quick", action="store_true", help="measure only baseline and all fixes together")
     @argument(
         "--apply",
-        metavar="IDS|all",
-        help="leave these fixes applied afterwards, as if toggled on",
+        metavar="IDS|all|wins",
+        help="leave these fixes applied afterwards, as if toggled on (wins: the measured clear "
+        "wins); a long cell's complete run uses them",
     )
     @argument("--json", metavar="PATH", help="write the report (schema v1) to PATH")
     @argument("-o", dest="return_report", action="store_true", help="return the Report object")
@@ -84,6 +68,11 @@ class PerfcheckMagics(Magics):
         "--device", choices=["cpu", "cuda"], help="device the work runs on (default: detected)"
     )
     @argument("--memory", action="store_true", help="memory is the constraint: report memory fixes")
+    @argument(
+        "--no-finish",
+        action="store_true",
+        help="skip the cell's complete run: the kernel ends as before the cell",
+    )
     @argument("command", nargs="*", help="line magic only: `list`, `revert` or `insert`")
     @line_cell_magic
     def perfcheck(self, line: str, cell: str | None = None) -> Report | None:
@@ -123,6 +112,7 @@ class PerfcheckMagics(Magics):
                 no_restore=args.no_restore,
                 device=args.device,
                 memory=args.memory,
+                no_finish=args.no_finish,
             )
         except OptionsError as error:
             raise UsageError(f"%%perfcheck: {error}") from None
@@ -141,34 +131,37 @@ class PerfcheckMagics(Magics):
         session = Session(workload, options)
         _sessions.add(session)
         _latest = session
-        panel = handle = None
+        panel = None
         if live:
             from .render.widget import Panel
 
             panel = Panel.measuring(self.shell, session.run_id)
-            session.progress = panel.progress
+            session.progress, session.on_report = panel.progress, panel.update
         elif not options.quiet:
-            session.progress, handle = _progress_printer()
+            from .render.static_display import StaticDisplay
+
+            view = StaticDisplay(in_place=getattr(self.shell, "kernel", None) is not None)
+            session.progress, session.on_report = view.progress, view.report
         try:
             report = session.run()
-        except CellError as error:
+        except BaseException as error:
+            # A report already out stays (the cell's complete run raised or was interrupted,
+            # or Ctrl-C came while measuring); a panel with nothing to show goes.
             if panel is not None:
-                panel.close()
-            raise error.original.with_traceback(error.original.__traceback__) from None
-        except BaseException:  # Ctrl-C or an engine failure: no panel left half-built
-            if panel is not None:
-                panel.close()
+                if session.report is None:
+                    panel.close()
+                else:
+                    panel.attach(session, session.report)
+            if session.applied_ids:
+                _holding_fixes.append(session)
+            if isinstance(error, CellError):
+                original = error.original
+                raise original.with_traceback(original.__traceback__) from None
             raise
         if session.applied_ids:
             _holding_fixes.append(session)
-        if options.quiet:
-            return report
         if panel is not None:
             panel.attach(session, report)
-        else:
-            from .render import bundle
-
-            handle.update(bundle.render(report), raw=True)
         return report
 
     def _line_command(self, words: list[str]) -> None:

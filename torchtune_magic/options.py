@@ -28,13 +28,14 @@ class Options:
     skip: list[str] = field(default_factory=list)
     budget: float = 20.0
     quick: bool = False
-    apply: list[str] = field(default_factory=list)  # ids, or ["all"]
+    apply: list[str] = field(default_factory=list)  # ids, "all", "wins" (clear wins)
     json: Path | None = None
     quiet: bool = False
     widget: bool = True
     restore: bool = True
     device: str | None = None  # None: cuda when the cell used it, else cpu
     memory: bool = False
+    finish: bool = True  # run the cell to completion at the end (False: kernel as before it)
 
     @classmethod
     def build(
@@ -51,6 +52,7 @@ class Options:
         no_restore: bool = False,
         device: str | None = None,
         memory: bool = False,
+        no_finish: bool = False,
     ) -> Options:
         """Validate user-facing values (from keywords or parsed flags)."""
         from .checks import registry
@@ -64,10 +66,10 @@ class Options:
                     f"known: {', '.join(sorted(known))}"
                 )
         applied = _id_list(apply)
-        unknown = [i for i in applied if i != "all" and i not in known]
+        unknown = [i for i in applied if i not in ("all", "wins") and i not in known]
         if unknown:
             raise OptionsError(
-                f"--apply: unknown check id(s) {', '.join(unknown)}; use ids or 'all'"
+                f"--apply: unknown check id(s) {', '.join(unknown)}; use ids, 'all' or 'wins'"
             )
         if budget is not None and not budget > 0:
             raise OptionsError(f"--budget must be a positive number of seconds, got {budget!r}")
@@ -90,6 +92,7 @@ class Options:
             restore=not no_restore,
             device=device,
             memory=memory,
+            finish=not no_finish,
         )
 
     def wants(self, check_id: str) -> bool:

@@ -217,6 +217,8 @@ class Report:
         for key in ("sampling", "cell_run"):
             if data[key] is None:
                 del data[key]
+        if data["phase"] == "done":
+            del data["phase"]  # absent means done: a finished report reads as v1 always did
         ordered = {"schema": SCHEMA_ID}
         ordered.update(data)
         return ordered

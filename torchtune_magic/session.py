@@ -1,34 +1,68 @@
-"""The workflow: probe → detect → measure → report, and the stack of applied fixes.
+"""The workflow: probe → detect → measure → finish, and the stack of applied fixes.
 
 A Session lives as long as its panel: toggles call `apply`/`undo`, Re-time calls `measure`.
-Measuring always starts each run from the state the cell started from (snapshot S0) and
-ends by putting back the state it found, so the kernel looks as if the cell ran once.
+Findings go to the front end as soon as the checks are done (`on_report`), and each
+configuration's numbers as soon as they are measured. Measuring always starts each run from
+the state the cell started from (snapshot S0) and ends by putting back a known state; the
+cell's one complete run (`finish`) then leaves the kernel as if the cell ran once.
+
+Long cells are sampled (see `engine/steps.py`): the probe stops itself at a step boundary,
+every measuring run stops after the same step K, and the report gives per-step times with
+the whole cell projected; the complete run happens last, with the fixes asked for.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .checks import Detection, registry
-from .engine import codeedit, discovery, fixes, memory, numerics, probe, state, timing, utilisation
-from .engine.workload import Workload, silenced
+from .engine import (
+    codeedit,
+    discovery,
+    fixes,
+    memory,
+    numerics,
+    probe,
+    state,
+    steps,
+    timing,
+    utilisation,
+)
+from .engine.workload import CellError, Workload, captured, silenced
 from .options import Options
-from .report import NotApplicable, Report, Stats, Variant
+from .report import CellRun, NotApplicable, Report, Sampling, Stats, Variant
 
 BASELINE = "baseline"
 SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5
+# The instrumented probe runs about this much slower than the plain cell (2.16x measured by
+# benchmarks/engine_overhead.py): used to guess a plain run's length before timing one.
+PROBE_SLOWDOWN = 2.0
+# The probe of a long cell stops at a step boundary once it has run this share of the
+# measuring budget (within these bounds): long enough for every check's evidence, short
+# enough that findings are on screen within seconds.
+PROBE_SHARE_OF_BUDGET = 0.3
+PROBE_SECONDS = (3.0, 8.0)
+PUBLISH_EVERY_S = 0.5  # partial reports go to the front end at most this often
+FINISH_PROGRESS_EVERY_S = 0.25
+
+# Where the kernel stands relative to the contract "as if the cell ran once"
+AFTER_ONE_RUN = "after one run"
+BEFORE_CELL = "before the cell"
+PART_RUN = "part of a run"  # the probe was stopped early
 
 
 @dataclass
@@ -43,6 +77,16 @@ class _Config:
         return sorted(f.check_id for f in self.fixes)
 
 
+@dataclass
+class _RunTime:
+    """One measuring run: its seconds and, when sampled, the time to the end of the warm-up
+    steps and the mean time per timed step."""
+
+    total_s: float
+    lead_s: float | None = None
+    step_s: float | None = None
+
+
 class Session:
     """One %%perfcheck run and everything done with its result afterwards."""
 
@@ -51,38 +95,62 @@ class Session:
         workload: Workload,
         options: Options | None = None,
         progress: timing.Progress | None = None,
+        on_report: Callable[[Report], None] | None = None,
     ):
         self.workload = workload
         self.options = options or Options()
         self.progress = progress
+        self.on_report = on_report
         self.run_id = uuid.uuid4().hex[:12]
         self.observation: probe.Observation | None = None
         self.detections: list[Detection] = []
         self.not_applicable: list[NotApplicable] = []
         self.warnings: list[str] = []
         self.report: Report | None = None
+        self.step_trace: probe.StepTrace | None = None
+        self.step_count: steps.StepCount | None = None
+        self.plan: steps.SamplePlan | None = None  # set once the first measurement samples
+        self.cell_run: CellRun | None = None
+        self._plan_decided = False  # whether to sample is decided once per session
+        self._plan_calibrated = False
+        self._cell_names: set[str] = set()  # names the cell (re)binds
+        self._kernel = AFTER_ONE_RUN
+        self._history: list[Variant] = []  # every finished measurement's variants, in order
         self._start_state: state.Snapshot | None = None
         self._applied: dict[str, fixes.Fix] = {}
         self._flops: utilisation.FlopCount | None = None  # counted once: fixes keep the math
         self._flops_detail: str | None = None
         self._memory_label: str | None = None
-        self._started = time.perf_counter()
+        self._published_at = 0.0
 
     # the one-shot flow ----------------------------------------------------------------------
     def run(self) -> Report:
-        """Probe, detect and measure; leave `--apply` fixes applied. The cell's own
-        exception propagates (as workload.CellError) with nothing applied."""
+        """Probe, detect (findings go out at once), measure, apply `--apply` fixes, then the
+        cell's complete run. The cell's own exception propagates (as CellError); Ctrl-C
+        propagates after the report says where it stopped."""
         __tracebackhide__ = True
         self.probe()
         self.detect()
-        report = self.measure()
-        for detection in self.detections:
-            if detection.fix is not None and self.options.applies(detection.finding.id):
-                self.apply(detection.finding.id)
-        report.applied = self.applied_ids
-        return report
+        self.publish(self._build_report(phase="measuring"))
+        try:
+            report = self.measure()
+        except KeyboardInterrupt:
+            if self.report is not None:
+                self.report.phase = "interrupted"
+                self.publish(self.report)
+            raise
+        for check_id in self._requested_fixes(report):
+            try:
+                self.apply(check_id)
+            except fixes.FixError as error:
+                self.warnings.append(f"--apply {check_id}: not applied: {error.reason}")
+        self.finish()
+        return self.report or report
 
     def probe(self) -> probe.Observation:
+        """The instrumented run. A long cell's probe stops at a step boundary after a share of
+        the budget; what it printed is shown only when it ran the whole cell (else the cell's
+        complete run prints it, once)."""
         __tracebackhide__ = True
         namespace = self.workload.namespace
         if self.options.restore:
@@ -98,11 +166,29 @@ class Session:
             else:
                 self._start_state = state.take(namespace, found)
         device = self.options.device or "cpu"
-        self.observation = probe.run(self.workload, device)
-        self.observation.memory_asked = self.options.memory
-        if self.options.device is None and _uses_cuda(self.observation):
-            self.observation.device = "cuda"
-        return self.observation
+        low, high = PROBE_SECONDS
+        stop_after = min(high, max(low, PROBE_SHARE_OF_BUDGET * self.options.budget))
+        with captured() as printed:
+            self.observation = probe.run(self.workload, device, stop_after_s=stop_after)
+        obs = self.observation
+        if obs.stopped_early:
+            self._kernel = PART_RUN
+        else:
+            sys.stdout.write(printed.getvalue())
+        if self._start_state is not None:
+            start = self._start_state.bindings
+            self._cell_names = {
+                name
+                for name, value in namespace.items()
+                if not name.startswith("_") and start.get(name, _MISSING) is not value
+            }
+        obs.memory_asked = self.options.memory
+        if self.options.device is None and _uses_cuda(obs):
+            obs.device = "cuda"
+        self.step_trace = obs.leading_step()
+        if self.step_trace is not None:
+            self.step_count = steps.count_steps(obs, self.step_trace)
+        return obs
 
     def detect(self) -> list[Detection]:
         obs = self._observed()
@@ -116,6 +202,84 @@ class Session:
                 continue
             self.detections.extend(check.detect(obs))
         return self.detections
+
+    def finish(self) -> None:
+        """The cell's one complete run, after the report is out, unless the probe already
+        was one; with `--no-finish` the kernel goes back to before the cell instead.
+
+        It runs with the fixes applied now (`--apply`), prints what the cell prints, and
+        shows its progress by steps. Ctrl-C stops it as it would stop the plain cell (the
+        fixes asked for stay applied, nothing else of ours is); a cell that raises gets its
+        own traceback, the report stays."""
+        __tracebackhide__ = True
+        ids = self.applied_ids
+        if not self.options.finish:
+            if self._start_state is not None and self._kernel != BEFORE_CELL:
+                self._start_state.restore()
+                self._kernel = BEFORE_CELL
+            self._finished(CellRun("skipped", fixes=ids, detail="--no-finish: kernel as before"))
+            return
+        if self._kernel == AFTER_ONE_RUN:
+            steps_done = self.step_count.total if self.step_count else None
+            self._finished(CellRun("probe", steps=steps_done, fixes=ids))
+            return
+        if self._start_state is not None and self._kernel != BEFORE_CELL:
+            self._start_state.restore()
+        self.cell_run = CellRun("running", fixes=ids)
+        self.publish(self._build_report(phase="finishing"))
+        applied = [self._applied[i] for i in ids]
+        counter = self._finish_counter()
+        started = time.perf_counter()
+        try:
+            with (
+                counter.counting() if counter else nullcontext(),
+                fixes.combined_context(applied, self.workload.namespace),
+            ):
+                self._kernel = PART_RUN
+                seconds = self.workload.run(fixes.combined_source(self.workload.source, applied))
+        except (KeyboardInterrupt, CellError) as error:
+            done = counter.times.count if counter else None
+            interrupted = isinstance(error, KeyboardInterrupt)
+            detail = "stopped by Ctrl-C" if interrupted else _error_text(error)
+            self.cell_run = CellRun(
+                "interrupted" if interrupted else "failed",
+                time.perf_counter() - started,
+                done,
+                ids,
+                detail,
+            )
+            self.publish(self._build_report(phase="done"))
+            raise
+        self._kernel = AFTER_ONE_RUN
+        count = counter.times.count if counter else None
+        if count and self.step_count is not None and self.step_count.total is None:
+            self.step_count = steps.StepCount(count, "counted in the cell's complete run")
+        self._finished(CellRun("complete", seconds, count, ids))
+
+    def _finished(self, cell_run: CellRun) -> None:
+        self.cell_run = cell_run
+        self.publish(self._build_report(phase="done"))
+
+    def _finish_counter(self) -> steps.StepCounter | None:
+        """Counts the complete run's steps to show "finishing the cell: step 130 of 480"."""
+        if self.step_trace is None:
+            self._report_progress(0.0, "finishing the cell")
+            return None
+        total = self.step_count.total if self.step_count else None
+        shown = {"at": 0.0}
+
+        def on_step(count: int) -> None:
+            now = time.perf_counter()
+            if now - shown["at"] < FINISH_PROGRESS_EVERY_S:
+                return
+            shown["at"] = now
+            of = f" of {total}" if total else ""
+            fraction = min(1.0, count / total) if total else 0.0
+            self._report_progress(fraction, f"finishing the cell: step {count}{of}")
+
+        return steps.StepCounter(
+            steps.source_of(self._observed(), self.step_trace), on_step=on_step
+        )
 
     # fixes ----------------------------------------------------------------------------------
     @property
@@ -147,6 +311,28 @@ class Session:
     def fixable(self) -> list[Detection]:
         return [d for d in self.detections if d.fix is not None]
 
+    def wins(self, report: Report | None = None) -> list[str]:
+        """Fixes whose own newest measurement was a clear win (faster beyond the no-change
+        band, without error)."""
+        report = report or self.report
+        if report is None:
+            return []
+        found = []
+        for detection in self.fixable:
+            variant = report.variant_for([detection.finding.id])
+            if variant is not None and variant.is_win:
+                found.append(detection.finding.id)
+        return found
+
+    def _requested_fixes(self, report: Report) -> list[str]:
+        """`--apply IDS|all|wins`, as fix ids found in this cell."""
+        wins = set(self.wins(report)) if "wins" in self.options.apply else set()
+        return [
+            d.finding.id
+            for d in self.fixable
+            if self.options.applies(d.finding.id) or d.finding.id in wins
+        ]
+
     def suggested_cell(self) -> str:
         """The cell with the code changes of the fixes applied now (of all, when none is)."""
         return self.optimized_cell(self.applied_ids or None)
@@ -165,22 +351,32 @@ class Session:
         self, fix_sets: list[list[str]] | None = None, *, budget_s: float | None = None
     ) -> Report:
         """Time the baseline against fix sets (default: each fix alone and all together),
-        interleaved. Applied fixes are lifted for the duration and put back after.
-
-        `budget_s` gives this measurement its own time (a later re-time from the panel);
-        by default it gets what is left of the run's budget."""
+        interleaved, within `budget_s` (default: the run's budget) counted from now. Applied
+        fixes are lifted for the duration and put back after. Earlier measurements stay in
+        the report; each variant says when it was taken and against which baseline."""
         __tracebackhide__ = True
         configs = self._configs(fix_sets)
-        if budget_s is None:
-            budget = (self.options.budget, self._started)
-        else:
-            budget = (budget_s, time.perf_counter())
+        budget = (budget_s or self.options.budget, time.perf_counter())
         with self._fixes_lifted(), self._state_kept():
             variants, baseline = self._measure_configs(configs, budget)
-        self.report = self._build_report(baseline, variants, budget)
-        if self.options.json:
-            self.report.write_json(self.options.json)
-        return self.report
+        measured_at = _now()
+        for variant in [baseline, *variants]:
+            variant.measured_at = measured_at
+        self._history.extend(variants)
+        # a re-time after the cell's complete run is done; the first measurement is not
+        phase = "done" if self.cell_run is not None else "measuring"
+        self.publish(self._build_report(baseline, budget=budget, phase=phase))
+        return self.report  # type: ignore[return-value]  # set by publish
+
+    def publish(self, report: Report) -> None:
+        """Hand a report to the front end and keep it as the current one; a final one (done
+        or interrupted) also goes to `--json`."""
+        self.report = report
+        self._published_at = time.perf_counter()
+        if self.options.json and report.phase in ("done", "interrupted"):
+            report.write_json(self.options.json)
+        if self.on_report is not None:
+            self.on_report(report)
 
     def _configs(self, fix_sets: list[list[str]] | None) -> list[_Config]:
         if fix_sets is None:
@@ -211,85 +407,166 @@ class Session:
 
     @contextmanager
     def _state_kept(self) -> Iterator[None]:
-        """Whatever happens while measuring, the kernel ends as it was before."""
+        """Whatever happens while measuring, the kernel ends in a known state: as it was
+        (after the cell's one run), or as before the cell when no complete run has happened
+        yet (the finish run starts from there)."""
+        if self._start_state is None:
+            yield
+            return
         current = None
-        if self._start_state is not None:
+        if self._kernel == AFTER_ONE_RUN:
             current = state.take(self.workload.namespace, discovery.walk(self.workload.namespace))
         try:
             yield
         finally:
             if current is not None:
                 current.restore()
+            else:
+                self._start_state.restore()
+                self._kernel = BEFORE_CELL
 
-    def _one_run(self, config: _Config, observe: Callable[[], Any] | None = None) -> float:
-        """Run the cell once from the start state with the config's fixes applied."""
+    def _one_run(
+        self,
+        config: _Config,
+        observe: Callable[[], Any] | None = None,
+        stop: int | None = None,
+    ) -> _RunTime:
+        """Run the cell once from the start state with the config's fixes applied; with
+        `stop`, the run ends after that step (`observe` sees the state there)."""
         __tracebackhide__ = True
         if self._start_state is not None:
             self._start_state.restore()
         namespace = self.workload.namespace
         source = fixes.combined_source(self.workload.source, config.fixes)
+        counter = None
+        if stop is not None and self.plan is not None:
+            counter = steps.StepCounter(self.plan.source, warmup=self.plan.warmup, stop=stop)
         with (
             fixes.applied(config.fixes, namespace),
             fixes.combined_context(config.fixes, namespace),
             silenced(),
+            counter.counting() if counter else nullcontext() as times,
         ):
-            seconds = self.workload.run(source)
+            started = time.perf_counter()
+            try:
+                seconds = self.workload.run(source)
+            except steps.StepLimitReached:
+                seconds = time.perf_counter() - started
             if observe is not None:
                 observe()
-        return seconds
+        if times is None or self.plan is None:
+            return _RunTime(seconds)
+        step_s = times.per_step(self.plan.warmup)
+        if not times.stopped and times.lead_s is not None and times.count > self.plan.warmup:
+            step_s = (seconds - times.lead_s) / (times.count - self.plan.warmup)
+            self._warn_once(
+                f"{config.label}: the run ended after {times.count} steps, before step {stop}; "
+                "its per-step time includes what runs after the last step"
+            )
+        return _RunTime(seconds, times.lead_s, step_s)
+
+    def _sample_plan(self, configurations: int, budget_s: float) -> steps.SamplePlan | None:
+        """Whether to stop every run at a step, and where first (the baseline's first run
+        then calibrates the stop: `_calibrate`). Decided once per session."""
+        if self._plan_decided:
+            return self.plan
+        self._plan_decided = True
+        obs, trace = self._observed(), self.step_trace
+        if trace is None:
+            return None
+        total = self.step_count.total if self.step_count else None
+        warmup = steps.warmup_for(total if total is not None else trace.count)
+        if total is not None and total < warmup + steps.MIN_TIMED_STEPS + 1:
+            return None
+        if not obs.stopped_early:
+            plain = obs.wall_s / PROBE_SLOWDOWN
+            if not steps.worth_sampling(plain, configurations, budget_s):
+                return None
+        step_s = trace.mean_step_s() or obs.wall_s
+        lead_s = (trace.first_s or step_s) + (warmup - 1) * step_s
+        stop = steps.choose_stop(budget_s, configurations, lead_s, step_s, warmup, total)
+        self.plan = steps.SamplePlan(steps.source_of(obs, trace), warmup, stop)
+        return self.plan
+
+    def _calibrate(self, first: _RunTime, configurations: int, budget_s: float) -> None:
+        """Set the stop step from the baseline's first uninstrumented run."""
+        plan = self.plan
+        self._plan_calibrated = True
+        if plan is None or first.lead_s is None or first.step_s is None:
+            return
+        total = self.step_count.total if self.step_count else None
+        stop = steps.choose_stop(
+            budget_s, configurations, first.lead_s, first.step_s, plan.warmup, total
+        )
+        self.plan = steps.SamplePlan(plan.source, plan.warmup, stop)
 
     def _measure_configs(
         self, configs: list[_Config], budget: tuple[float, float]
     ) -> tuple[list[Variant], Variant]:
         """`budget`: (seconds, the perf_counter time they are counted from)."""
+        seconds, counted_from = budget
         outputs: dict[str, numerics.Outputs] = {}
-        results: dict[str, Variant] = {}
-        warmups: dict[str, float] = {}
+        results: dict[str, Variant] = {c.label: Variant(fixes=c.ids) for c in configs}
+        firsts: dict[str, _RunTime] = {}
         runnable: list[_Config] = []
         watched = self._watched_outputs()
+        plan = self._sample_plan(len(configs), seconds)
         for config in configs:
-            variant = Variant(fixes=config.ids)
-            results[config.label] = variant
+            variant = results[config.label]
             try:
-                warmups[config.label] = self._one_run(config)
-                peak = self._checked_run(config, outputs, watched)
-                variant.peak_memory_bytes = peak
+                firsts[config.label] = self._one_run(config, stop=plan.stop if plan else None)
+                if plan is not None and config.label == BASELINE and not self._plan_calibrated:
+                    left = seconds - (time.perf_counter() - counted_from)
+                    self._calibrate(firsts[config.label], len(configs), left)
+                    plan = self.plan
+                variant.peak_memory_bytes = self._checked_run(config, outputs, watched)
                 runnable.append(config)
             except fixes.FixError as error:
                 variant.error = f"the fix could not be applied: {error.reason}"
             except Exception as error:  # the cell failed under this fix
                 if config.label == BASELINE:
                     raise
-                original = getattr(error, "original", error)
-                variant.error = (
-                    f"the cell raised with this fix: {type(original).__name__}: {original}"
-                )
+                variant.error = f"the cell raised with this fix: {_error_text(error)}"
             self._report_progress(0.0, f"warmed up {config.label}")
+            self._publish_partial(results, budget)
         self._count_flops(configs[0])
-        seconds, counted_from = budget
         left = max(0.0, seconds - (time.perf_counter() - counted_from))
+        leads: dict[str, list[float]] = {c.label: [] for c in runnable}
+
+        def timed_run(config: _Config) -> float:
+            observe = None
+            if plan is not None and config.label not in outputs:  # numerics at step K
+                observe = functools.partial(self._capture, outputs, config.label, watched)
+            run = self._one_run(config, observe, plan.stop if plan else None)
+            if plan is None or run.step_s is None:
+                return run.total_s
+            if run.lead_s is not None:
+                leads[config.label].append(run.lead_s)
+            return run.step_s
+
+        def on_run(label: str, measurement: timing.Measurement) -> None:
+            _fill(results[label], measurement)
+            self._publish_partial(results, budget)
+
         timed = timing.interleaved(
-            {c.label: functools.partial(self._one_run, c) for c in runnable},
+            {c.label: functools.partial(timed_run, c) for c in runnable},
             left,
             self._report_progress,
             min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
+            on_run=on_run,
+            round_s=sum(firsts[c.label].total_s for c in runnable),
         )
         for label, measurement in timed.items():
-            measurement.warmup_s = warmups[label]
-            variant = results[label]
-            variant.median_s, variant.iqr_s = measurement.median, measurement.iqr
-            variant.runs, variant.noisy = measurement.runs, measurement.noisy
-        self._set_one_time_costs(configs, results, timed)
+            _fill(results[label], measurement)
+        self._set_one_time_costs(configs, results, firsts, timed, leads)
+        self._set_projections(results, firsts)
         base = results[BASELINE]
         self._add_throughput(configs, results)
         for config in configs[1:]:
             variant = results[config.label]
-            if variant.error or not variant.median_s or not base.median_s:
+            _set_speedup(variant, base)
+            if variant.error or variant.speedup is None:
                 continue
-            variant.speedup = base.median_s / variant.median_s
-            saved = base.median_s - variant.median_s
-            if variant.one_time_s and saved > 0:
-                variant.break_even_runs = math.ceil(variant.one_time_s / saved)
             tolerance = max(f.tolerance for f in config.fixes)
             if BASELINE in outputs and config.label in outputs:
                 variant.numerics = numerics.compare(
@@ -300,22 +577,46 @@ class Session:
         self._flag_nondeterminism(configs[0], results, outputs, watched)
         return [results[c.label] for c in configs[1:]], base
 
-    @staticmethod
     def _set_one_time_costs(
+        self,
         configs: list[_Config],
         results: dict[str, Variant],
+        firsts: dict[str, _RunTime],
         timed: dict[str, timing.Measurement],
+        leads: dict[str, list[float]],
     ) -> None:
-        """First-run cost of fixes that can have one, beyond the baseline's own first run."""
-        base = timed.get(BASELINE)
-        base_extra = base.warmup_s - base.median if base and base.median is not None else 0.0
+        """First-run cost of fixes that can have one, beyond the baseline's own first run
+        (sampled: the first run's time to the end of its warm-up steps against the steady
+        runs' time to that point)."""
+
+        def extra(label: str) -> float | None:
+            first = firsts.get(label)
+            if first is None or label not in timed:
+                return None
+            if self.plan is not None and first.lead_s is not None and leads.get(label):
+                return timing.one_time_cost(first.lead_s, statistics.median(leads[label]))
+            return timing.one_time_cost(first.total_s, timed[label].median)
+
+        base_extra = extra(BASELINE) or 0.0
         for config in configs[1:]:
-            measurement = timed.get(config.label)
-            if measurement is None or not any(f.one_time_cost for f in config.fixes):
+            if not any(f.one_time_cost for f in config.fixes):
                 continue
-            if measurement.one_time_s is not None:
-                extra = measurement.one_time_s - max(0.0, base_extra)
-                results[config.label].one_time_s = extra if extra > 0 else None
+            cost = extra(config.label)
+            if cost is not None:
+                net = cost - base_extra
+                results[config.label].one_time_s = net if net > 0 else None
+
+    def _set_projections(self, results: dict[str, Variant], firsts: dict[str, _RunTime]) -> None:
+        """Sampled: the whole cell as one run of it would take (the first run's time to the
+        end of its warm-up steps, one-time costs included, then every later step)."""
+        total = self.step_count.total if self.step_count else None
+        if self.plan is None or total is None:
+            return
+        for label, variant in results.items():
+            first = firsts.get(label)
+            if first is not None and first.lead_s is not None and variant.median_s is not None:
+                remaining = max(0, total - self.plan.warmup)
+                variant.projected_cell_s = first.lead_s + remaining * variant.median_s
 
     def _flag_nondeterminism(
         self,
@@ -330,7 +631,8 @@ class Session:
         if not changed or BASELINE not in outputs:
             return
         again: dict[str, numerics.Outputs] = {}
-        self._checked_run(baseline, again, watched)
+        stop = self.plan.stop if self.plan else None
+        self._one_run(baseline, functools.partial(self._capture, again, BASELINE, watched), stop)
         drift = numerics.compare(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
         if drift.verdict in ("identical", "not-compared"):
             return
@@ -342,18 +644,23 @@ class Session:
             variant.numerics.detail = f"{variant.numerics.detail}; {note}"
 
     def _count_flops(self, baseline: _Config) -> None:
-        """Model FLOPs of one untimed baseline run, once per session (a cell the counter
-        cannot run under is measured all the same, with the reason noted)."""
+        """Model FLOPs of one untimed baseline run (sampled: per step, over a short run),
+        once per session; a cell the counter cannot run under is measured all the same."""
         if self._flops is not None or self._flops_detail is not None:
             return
+        stop = self._memory_stop()
         try:
-            self._flops = utilisation.count(functools.partial(self._one_run, baseline))
+            count = utilisation.count(functools.partial(self._one_run, baseline, stop=stop))
         except Exception as error:
-            original = getattr(error, "original", error)
             self._flops_detail = (
-                f"FLOPs not counted: the cell failed under FlopCounterMode "
-                f"({type(original).__name__}: {original})"
+                f"FLOPs not counted: the cell failed under FlopCounterMode ({_error_text(error)})"
             )
+            return
+        if stop is not None:  # per step, like the sampled times
+            count = utilisation.FlopCount(
+                count.total // stop, {k: v // stop for k, v in count.buckets.items()}
+            )
+        self._flops = count
 
     def _add_throughput(self, configs: list[_Config], results: dict[str, Variant]) -> None:
         """Achieved TFLOP/s and share of peak for every measured configuration."""
@@ -373,57 +680,90 @@ class Session:
             variant.utilisation = got.utilisation
             variant.peak_tflops = got.peak_tflops
 
+    def _memory_stop(self) -> int | None:
+        """Sampled: profiled runs (memory, FLOPs) stop soon after the warm-up steps."""
+        if self.plan is None:
+            return None
+        return min(self.plan.stop, self.plan.warmup + steps.MEMORY_STEPS)
+
     def _checked_run(
         self, config: _Config, outputs: dict[str, numerics.Outputs], watched: tuple[set[str], dict]
     ) -> int | None:
-        """One untimed run that records peak memory and, from a restored start, outputs."""
+        """One untimed run that records peak memory and, from a restored start, outputs
+        (sampled: memory only, over a short run; outputs come from a run to step K)."""
         obs = self._observed()
-        names, modules = watched
-        captured: dict[str, numerics.Outputs] = {}
-
-        def observe() -> None:
-            if self._start_state is not None:
-                captured["outputs"] = numerics.capture(self.workload.namespace, names, modules)
-
+        stop = self._memory_stop()
+        observe = None
+        if stop is None:
+            observe = functools.partial(self._capture, outputs, config.label, watched)
         if obs.ops is not None:  # the probe could profile, so memory profiling is safe too
             with memory.profiled(obs.device) as prof:
-                self._one_run(config, observe)
+                self._one_run(config, observe, stop)
             peak = prof.peak
         else:
             with memory.tracked(obs.device) as tracker:
-                self._one_run(config, observe)
+                self._one_run(config, observe, stop)
             peak = tracker.peak
-        if "outputs" in captured:
-            outputs[config.label] = captured["outputs"]
         self._memory_label = peak.label if peak else None
         return peak.bytes if peak else None
+
+    def _capture(
+        self, outputs: dict[str, numerics.Outputs], label: str, watched: tuple[set[str], dict]
+    ) -> None:
+        """What the cell produced so far, from a restored start, for numerics."""
+        if self._start_state is not None:
+            names, modules = watched
+            outputs[label] = numerics.capture(self.workload.namespace, names, modules)
 
     def _watched_outputs(self) -> tuple[set[str], dict[str, torch.nn.Module]]:
         """Names the cell (re)bound and the models it ran: what numerics compares."""
         obs = self._observed()
-        start = self._start_state.bindings if self._start_state else {}
-        names = {
-            name
-            for name, value in self.workload.namespace.items()
-            if not name.startswith("_") and start.get(name, _MISSING) is not value
-        }
         modules = {
             entry.name: entry.obj
             for entry in discovery.top_level_modules(obs.found)
             if any(id(m) in obs.modules for m in entry.obj.modules())
         }
-        return names, modules
+        return set(self._cell_names), modules
 
     def _report_progress(self, fraction: float, message: str) -> None:
         if self.progress is not None:
             self.progress(fraction, message)
 
+    def _warn_once(self, warning: str) -> None:
+        if warning not in self.warnings:
+            self.warnings.append(warning)
+
+    def _publish_partial(self, results: dict[str, Variant], budget: tuple[float, float]) -> None:
+        """Numbers so far, to the front end, at most every PUBLISH_EVERY_S."""
+        if self.on_report is None or time.perf_counter() - self._published_at < PUBLISH_EVERY_S:
+            return
+        base = results[BASELINE]
+        current = [results[label] for label in results if label != BASELINE]
+        for variant in current:
+            _set_speedup(variant, base)
+        self.publish(self._build_report(base, current, budget, phase="measuring"))
+
     # report ---------------------------------------------------------------------------------
     def _build_report(
-        self, baseline: Variant, variants: list[Variant], budget: tuple[float, float]
+        self,
+        baseline: Variant | None = None,
+        current: list[Variant] | None = None,
+        budget: tuple[float, float] | None = None,
+        *,
+        phase: str,
     ) -> Report:
-        """`budget`: (seconds, counted from) of this measurement, for budget_s/elapsed_s."""
+        """The report as it stands: findings, every finished measurement plus `current` (a
+        measurement under way), the baseline of the newest one, sampling and the cell's run.
+        Without arguments it repeats the newest measurement's numbers (or none yet)."""
         obs = self._observed()
+        previous = self.report
+        if baseline is None and previous is not None:
+            stats, budget_s, elapsed_s = previous.baseline, previous.budget_s, previous.elapsed_s
+        else:
+            stats = _stats(baseline or Variant(fixes=[]), self._flops, self._flops_detail)
+            budget_s = budget[0] if budget else None
+            elapsed_s = round(time.perf_counter() - budget[1], 3) if budget else None
+        variants = [*self._history, *(current or [])]
         by_fix = {tuple(v.fixes): v for v in variants}
 
         def gain(detection: Detection) -> float:
@@ -433,19 +773,7 @@ class Session:
         findings = [d.finding for d in sorted(self.detections, key=gain)]
         return Report(
             environment=environment(obs.device, self._memory_label),
-            baseline=Stats(
-                baseline.median_s,
-                baseline.iqr_s,
-                baseline.runs,
-                baseline.peak_memory_bytes,
-                baseline.noisy,
-                flops=baseline.flops,
-                flops_breakdown=dict(self._flops.buckets) if self._flops else None,
-                flops_detail=self._flops_detail,
-                achieved_tflops=baseline.achieved_tflops,
-                utilisation=baseline.utilisation,
-                peak_tflops=baseline.peak_tflops,
-            ),
+            baseline=stats,
             findings=findings,
             variants=variants,
             not_applicable=list(self.not_applicable),
@@ -453,8 +781,25 @@ class Session:
             warnings=list(self.warnings),
             cell=self.workload.source,
             run_id=self.run_id,
-            budget_s=budget[0],
-            elapsed_s=round(time.perf_counter() - budget[1], 3),
+            budget_s=budget_s,
+            elapsed_s=elapsed_s,
+            phase=phase,
+            sampling=self._sampling(),
+            cell_run=self.cell_run,
+        )
+
+    def _sampling(self) -> Sampling | None:
+        if self.plan is None or self.step_trace is None:
+            return None
+        count = self.step_count
+        return Sampling(
+            unit=self.plan.source.unit,
+            steps_per_run=count.total if count else None,
+            steps_detail=count.detail if count else "",
+            warmup_steps=self.plan.warmup,
+            steps_timed=self.plan.timed,
+            probe_steps=self.step_trace.count,
+            probe_complete=not self._observed().stopped_early,
         )
 
     def _observed(self) -> probe.Observation:
@@ -464,6 +809,53 @@ class Session:
 
 
 _MISSING = object()
+
+
+def _fill(variant: Variant, measurement: timing.Measurement) -> None:
+    """A variant's timing statistics from its measurement so far."""
+    variant.median_s, variant.iqr_s = measurement.median, measurement.iqr
+    variant.runs, variant.noisy = measurement.runs, measurement.noisy
+
+
+def _set_speedup(variant: Variant, base: Variant) -> None:
+    """Speedup against this measurement's baseline, and the runs its one-time cost takes
+    to pay back."""
+    if variant.error or not variant.median_s or not base.median_s:
+        return
+    variant.speedup = base.median_s / variant.median_s
+    variant.baseline_median_s = base.median_s
+    saved = base.median_s - variant.median_s
+    if variant.one_time_s and saved > 0:
+        variant.break_even_runs = math.ceil(variant.one_time_s / saved)
+
+
+def _stats(
+    baseline: Variant, flops: utilisation.FlopCount | None, flops_detail: str | None
+) -> Stats:
+    return Stats(
+        baseline.median_s,
+        baseline.iqr_s,
+        baseline.runs,
+        baseline.peak_memory_bytes,
+        baseline.noisy,
+        flops=baseline.flops,
+        flops_breakdown=dict(flops.buckets) if flops else None,
+        flops_detail=flops_detail,
+        achieved_tflops=baseline.achieved_tflops,
+        utilisation=baseline.utilisation,
+        peak_tflops=baseline.peak_tflops,
+        projected_cell_s=baseline.projected_cell_s,
+        measured_at=baseline.measured_at,
+    )
+
+
+def _error_text(error: BaseException) -> str:
+    original = getattr(error, "original", error)
+    return f"{type(original).__name__}: {original}"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _uses_cuda(obs: probe.Observation) -> bool:

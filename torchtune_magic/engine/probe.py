@@ -23,7 +23,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import discovery, memory
 from .fixes import Patcher
-from .workload import Workload
+from .steps import StepLimitReached
+from .workload import Workload, synchronize
 
 SPAN_MARK = "perfcheck::mark#"
 MAX_SHAPES = 8  # distinct input shapes remembered per module
@@ -41,6 +42,9 @@ SYNC_METHODS = (
     "__repr__",
 )
 PROFILER_NAMES = frozenset({"profile", "profiler", "emit_nvtx", "emit_itt", "record_function"})
+PROBE_MIN_STEPS = 3  # a probe stopped early has seen at least this many steps (zeroed grads
+# show from the second backward on, a loader's wait needs a few batches)
+STEP_UNITS = ("batch", "optimizer step", "forward")  # in order of preference as the step
 
 
 @dataclass
@@ -71,6 +75,26 @@ class LoaderUse:
     device_copies: int = 0  # batch tensors copied host -> CUDA device
     non_blocking_copies: int = 0
     copy_lines: set[int] = field(default_factory=set)
+
+
+@dataclass
+class StepTrace:
+    """How often one candidate for the cell's step (a loader, an optimizer, a top-level
+    module) ended a step in the probe, and when (seconds from the start of the run)."""
+
+    unit: str  # one of STEP_UNITS
+    obj: Any  # the DataLoader, optimizer or module
+    count: int = 0
+    first_s: float | None = None  # end of the first step
+    last_s: float | None = None  # end of the latest step
+    lines: set[int] = field(default_factory=set)  # cell lines the steps were issued from
+    epoch_lengths: list[int] = field(default_factory=list)  # batch unit: completed epochs
+
+    def mean_step_s(self) -> float | None:
+        """Seconds per step after the first (instrumented, so an upper bound)."""
+        if self.count < 2 or self.first_s is None or self.last_s is None:
+            return None
+        return (self.last_s - self.first_s) / (self.count - 1)
 
 
 @dataclass
@@ -154,6 +178,19 @@ class Observation:
     # minor page faults of this process during the probe run (None where the OS does not
     # report them): the allocator handing memory back to the OS and faulting it in again
     minor_faults: int | None = None
+    # candidates for the cell's step, by (unit, id of the object)
+    step_traces: dict[tuple[str, int], StepTrace] = field(default_factory=dict)
+    stopped_early: bool = False  # the probe stopped itself at a step boundary (a long cell)
+
+    def leading_step(self) -> StepTrace | None:
+        """The cell's step: batches of the loader that gave the most, else the optimizer
+        that stepped most, else the module with the most top-level forwards (at least two
+        of them; the first seen wins a tie)."""
+        for unit in STEP_UNITS:
+            traces = [t for t in self.step_traces.values() if t.unit == unit and t.count >= 2]
+            if traces:
+                return max(traces, key=lambda t: t.count)
+        return None
 
     @property
     def tree(self) -> ast.Module:
@@ -190,6 +227,39 @@ class _Recorder:
         self.module_starts: dict[int, list[int]] = {}
         self.function_starts: dict[Any, int] = {}
         self.spans: list[tuple[str, Any, int, int]] = []
+        self.started = time.perf_counter()
+        self.stop_after_s: float | None = None  # stop at a step boundary after this long
+
+    # steps --------------------------------------------------------------------------------
+    def step_boundary(self, unit: str, obj: Any, ended: int) -> None:
+        """`obj` has ended `ended` steps of this unit. Stop the run here if it has gone on
+        long enough and this is the cell's step (at a boundary, so the cut is clean)."""
+        trace = self.trace(unit, obj)
+        if ended > trace.count:
+            now = time.perf_counter() - self.started
+            trace.count = ended
+            trace.first_s = now if trace.first_s is None else trace.first_s
+            trace.last_s = now
+        if (
+            self.stop_after_s is not None
+            and ended >= PROBE_MIN_STEPS
+            and time.perf_counter() - self.started >= self.stop_after_s
+            and self.obs.leading_step() is trace
+        ):
+            self.obs.stopped_early = True
+            raise StepLimitReached
+
+    def trace(self, unit: str, obj: Any) -> StepTrace:
+        trace = self.obs.step_traces.get((unit, id(obj)))
+        if trace is None:
+            trace = self.obs.step_traces[(unit, id(obj))] = StepTrace(unit, obj)
+        return trace
+
+    def step_line(self, unit: str, obj: Any) -> None:
+        """Note the cell line that issued a step of `obj` (directly or through a call)."""
+        line = self.line()
+        if line is not None:
+            self.trace(unit, obj).lines.add(line)
 
     def line(self) -> int | None:
         return self.obs.workload.cell_line()
@@ -203,10 +273,12 @@ class _Recorder:
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             use.grad_calls += 1
         if self.depth == 0:
+            self.step_boundary("forward", module, use.outer_calls)
             use.outer_calls += 1
             line = self.line()
             if line is not None:
                 use.lines.add(line)
+            self.step_line("forward", module)
             if any(_is_nchw_4d(a) for a in args):
                 use.input_nchw_4d += 1
             for param in module.parameters():
@@ -308,6 +380,12 @@ class _Recorder:
             for param in group["params"]:
                 self.watched_params.setdefault(id(param), param)
 
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Post-step hook: an optimizer step ends a step of that unit."""
+        _, count = self.obs.optimizer_steps[id(optimizer)]
+        self.step_line("optimizer step", optimizer)
+        self.step_boundary("optimizer step", optimizer, count)
+
     def loader_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def recorded_init(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
             self.built_loaders[id(loader)] = self.line()
@@ -327,21 +405,28 @@ class _Recorder:
             line = self.line()
             if line is not None:
                 use.lines.add(line)
+            self.step_line("batch", loader)
             return iterator
 
         return recorded_iter
 
     def loader_next(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def recorded_next(iterator: Any) -> Any:
+            loader = self.iterators.get(id(iterator))
+            if loader is not None:
+                use = self.obs.loaders[id(loader)]
+                self.step_boundary("batch", loader, use.batches)
             start = time.perf_counter()
             batch: Any = _NO_BATCH
             try:
                 batch = original(iterator)
                 return batch
-            finally:
-                loader = self.iterators.get(id(iterator))
+            except StopIteration:
                 if loader is not None:
-                    use = self.obs.loaders[id(loader)]
+                    self.epoch_ended(loader, use.batches)
+                raise
+            finally:
+                if loader is not None:
                     use.wait_s += time.perf_counter() - start
                     if batch is not _NO_BATCH:  # not the StopIteration that ends an epoch
                         use.batches += 1
@@ -349,6 +434,12 @@ class _Recorder:
                             self.batch_tensors[id(tensor)] = (weakref.ref(tensor), id(loader))
 
         return recorded_next
+
+    def epoch_ended(self, loader: DataLoader, batches: int) -> None:
+        """An iterator of `loader` ran out: note how many batches that epoch had."""
+        trace = self.obs.step_traces.get(("batch", id(loader)))
+        if trace is not None:
+            trace.epoch_lengths.append(batches - sum(trace.epoch_lengths))
 
     def tensor_copy(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Tensor.to / Tensor.cuda: every host-to-CUDA copy (loader batches counted on their
@@ -460,7 +551,10 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
         register_module_forward_hook,
         register_module_forward_pre_hook,
     )
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     patcher = Patcher()
     handles = []
@@ -468,6 +562,7 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
         handles.append(register_module_forward_pre_hook(recorder.forward_pre))
         handles.append(register_module_forward_hook(recorder.forward_post))
         handles.append(register_optimizer_step_pre_hook(recorder.optimizer_step))
+        handles.append(register_optimizer_step_post_hook(recorder.optimizer_stepped))
         patcher.setattr(torch.autograd, "backward", recorder.backward(torch.autograd.backward))
         for owner in (torch.optim.Optimizer, torch.nn.Module):
             patcher.setattr(owner, "zero_grad", recorder.zero_grad(owner.zero_grad))
@@ -546,8 +641,27 @@ def minor_faults() -> int | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def run(workload: Workload, device: str, *, use_profiler: bool | None = None) -> Observation:
-    """Run the cell once under instrumentation. The user's exception propagates as CellError."""
+def _run_until_stopped(workload: Workload, recorder: _Recorder) -> float:
+    """Seconds the run took, to its end or to the step boundary where it was stopped."""
+    __tracebackhide__ = True
+    recorder.started = time.perf_counter()
+    try:
+        return workload.run()
+    except StepLimitReached:
+        synchronize()
+        return time.perf_counter() - recorder.started
+
+
+def run(
+    workload: Workload,
+    device: str,
+    *,
+    use_profiler: bool | None = None,
+    stop_after_s: float | None = None,
+) -> Observation:
+    """Run the cell once under instrumentation; with `stop_after_s`, a cell still running
+    then stops at its next step boundary (once it has taken PROBE_MIN_STEPS steps) and
+    `stopped_early` says so. The user's exception propagates as CellError."""
     __tracebackhide__ = True
     obs = Observation(workload, device=device)
     obs.found = discovery.walk(workload.namespace)
@@ -558,12 +672,13 @@ def run(workload: Workload, device: str, *, use_profiler: bool | None = None) ->
         use_profiler = not obs.profiler_at_start and not mentions_profiler(workload.tree)
     recorder = _Recorder(obs)
     recorder.own_profiler = use_profiler
+    recorder.stop_after_s = stop_after_s
     faults_before = minor_faults()
     # Our profiler starts before the entry points are patched, so it is never mistaken for
     # one of the user's.
     if use_profiler:
         with memory.profiled(device) as profile, _instrumented(recorder, workload.namespace):
-            obs.wall_s = workload.run()
+            obs.wall_s = _run_until_stopped(workload, recorder)
         marks = {
             int(op.name[len(SPAN_MARK) :]): op.start_us
             for op in profile.ops
@@ -579,9 +694,13 @@ def run(workload: Workload, device: str, *, use_profiler: bool | None = None) ->
         obs.peak_memory = profile.peak
     else:
         with memory.tracked(device) as tracker, _instrumented(recorder, workload.namespace):
-            obs.wall_s = workload.run()
+            obs.wall_s = _run_until_stopped(workload, recorder)
         obs.peak_memory = tracker.peak
     obs.anomaly_at_end = torch.is_anomaly_enabled()
+    if not obs.stopped_early:  # a forward's step ends when the next one starts: the last
+        for trace in obs.step_traces.values():  # ended with the run
+            if trace.unit == "forward":
+                trace.count = obs.modules[id(trace.obj)].outer_calls
     faults_after = minor_faults()
     if faults_before is not None and faults_after is not None:
         obs.minor_faults = faults_after - faults_before

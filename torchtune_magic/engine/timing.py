@@ -1,9 +1,10 @@
 """Honest timing: warm-up apart, configurations interleaved, median and IQR.
 
-Each configuration (baseline, each fix set) is a callable doing one complete run of the
-cell and returning its wall seconds (set-up such as state restore happens outside the timed
-region). Runs go round-robin A B C A B C …, rotating the start, so machine drift lands on
-every configuration alike; statistics come from `torch.utils.benchmark.Measurement`.
+Each configuration (baseline, each fix set) is a callable doing one run of the cell and
+returning its seconds: the whole run, or per step when runs are sampled (set-up such as
+state restore happens outside the timed region). Runs go round-robin A B C A B C …, rotating
+the start, so machine drift lands on every configuration alike; statistics come from
+`torch.utils.benchmark.Measurement`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.utils.benchmark.utils.common import TaskSpec
 from ..report import NOISE_THRESHOLD
 
 Progress = Callable[[float, str], None]  # (fraction done 0..1, message)
+RunDone = Callable[[str, "Measurement"], None]  # after each run: (label, its measurement)
 
 MIN_ROUNDS = 5
 MAX_ROUNDS = 60
@@ -62,10 +64,17 @@ class Measurement:
     def one_time_s(self) -> float | None:
         """Extra cost of the first run over a steady run (compile, worker start-up), or None
         when the difference is within noise."""
-        if self.warmup_s is None or self.median is None:
-            return None
-        extra = self.warmup_s - self.median
-        return extra if extra > max(ONE_TIME_FLOOR_S, 0.1 * self.median) else None
+        return one_time_cost(self.warmup_s, self.median)
+
+
+def one_time_cost(first_s: float | None, steady_s: float | None) -> float | None:
+    """What a first run (or its part before the timed steps) cost beyond a steady one:
+    compiling, starting workers, autotuning. None when within noise (under
+    ONE_TIME_FLOOR_S or 10% of the steady time)."""
+    if first_s is None or steady_s is None:
+        return None
+    extra = first_s - steady_s
+    return extra if extra > max(ONE_TIME_FLOOR_S, 0.1 * steady_s) else None
 
 
 def interleaved(
@@ -73,8 +82,12 @@ def interleaved(
     budget_s: float,
     progress: Progress | None = None,
     min_rounds: int = MIN_ROUNDS,
+    on_run: RunDone | None = None,
+    round_s: float | None = None,
 ) -> dict[str, Measurement]:
-    """Time every runner round-robin until the spread settles or the budget is spent.
+    """Time every runner round-robin until the spread settles or the budget is spent;
+    `on_run` sees each measurement grow, so numbers can be shown as they come in, and
+    `round_s` (a guess at one round's seconds) lets progress say "round 1 of n" from the start.
 
     At least two rounds always run, so a median exists even on a tiny budget.
     """
@@ -82,16 +95,26 @@ def interleaved(
     results = {label: Measurement(label) for label in labels}
     deadline = time.perf_counter() + budget_s
     started = time.perf_counter()
+    expected = min_rounds
+    if round_s:
+        expected = max(2, min(MAX_ROUNDS, int(budget_s / round_s)))
     for round_index in range(MAX_ROUNDS):
         offset = round_index % len(labels)
-        for label in labels[offset:] + labels[:offset]:
+        for position, label in enumerate(labels[offset:] + labels[:offset]):
+            if progress is not None:
+                done = round_index + position / len(labels)
+                progress(
+                    min(1.0, done / expected),
+                    f"round {round_index + 1} of {expected}: {label}",
+                )
             results[label].times.append(runners[label]())
+            if on_run is not None:
+                on_run(label, results[label])
         done_rounds = round_index + 1
         now = time.perf_counter()
         per_round = (now - started) / done_rounds
-        if progress is not None:
-            expected = max(min_rounds, min(MAX_ROUNDS, int(budget_s / max(per_round, 1e-9))))
-            progress(min(1.0, done_rounds / expected), f"round {done_rounds}")
+        left = int(max(0.0, deadline - now) / max(per_round, 1e-9))
+        expected = max(2, min(MAX_ROUNDS, done_rounds + left))
         if done_rounds < 2:
             continue
         settled = all(m.spread <= SETTLED_SPREAD for m in results.values())

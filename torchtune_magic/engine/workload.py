@@ -7,6 +7,7 @@ import contextlib
 import io
 import itertools
 import linecache
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .fixes import Patcher
 
 _counter = itertools.count(1)
 
@@ -33,11 +36,36 @@ def synchronize() -> None:
 
 
 @contextlib.contextmanager
-def silenced() -> Iterator[None]:
-    """Swallow what the extra measuring runs print: the user saw it once, in the probe run."""
+def captured() -> Iterator[io.StringIO]:
+    """Send what the cell prints to a buffer: stdout, stderr, and the logging handlers that
+    write to them (frameworks such as Lightning log through handlers made at import time,
+    which hold the stream object itself, so redirecting `sys.stdout` alone misses them)."""
     sink = io.StringIO()
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        yield
+    streams = {id(stream) for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}
+    patcher = Patcher()
+    try:
+        for handler in _logging_handlers():
+            if id(getattr(handler, "stream", None)) in streams:
+                patcher.setattr(handler, "stream", sink)
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield sink
+    finally:
+        patcher.undo()
+
+
+def silenced() -> contextlib.AbstractContextManager[io.StringIO]:
+    """Swallow what the extra measuring runs print: the user sees it once, in the run that
+    leaves the kernel as if the cell ran once."""
+    return captured()
+
+
+def _logging_handlers() -> list[logging.StreamHandler]:
+    loggers = [logging.getLogger()] + [
+        item
+        for item in logging.Logger.manager.loggerDict.values()
+        if isinstance(item, logging.Logger)
+    ]
+    return [h for lg in loggers for h in lg.handlers if isinstance(h, logging.StreamHandler)]
 
 
 @dataclass

@@ -26,7 +26,7 @@ def chart(report: Report) -> str:
     rows: list[tuple[str, float, bool]] = []
     if report.baseline.median_s:
         rows.append(("baseline", report.baseline.median_s, False))
-    for variant in report.variants:
+    for variant in report.latest_variants():
         if variant.median_s and not variant.error:
             rows.append(("+".join(variant.fixes), variant.median_s, variant.is_slower))
     if len(rows) < 2:
@@ -52,7 +52,7 @@ def chart(report: Report) -> str:
 
 
 def _finding_row(report: Report, index: int, variant: Variant | None, finding) -> str:
-    fix = summary.speedup(variant) if finding.fixable else "no live fix"
+    fix = summary.speedup(report, variant) if finding.fixable else "no live fix"
     badges = " ".join(
         f'<span style="border:1px solid #999;border-radius:3px;padding:0 3px">{_e(text)}</span>'
         for text in (
@@ -95,16 +95,25 @@ def render(report: Report) -> str:
         else "<p>No findings: nothing in this cell matches the tuning guide's checks.</p>"
     )
     together = "".join(
-        f"<p>All fixes together ({_e(', '.join(v.fixes))}): {_e(summary.speedup(v))}</p>"
-        for v in report.variants
+        f"<p>All fixes together ({_e(', '.join(v.fixes))}): {_e(summary.speedup(report, v))}</p>"
+        for v in report.latest_variants()
         if len(v.fixes) > 1
     )
     notes = "".join(
         f"<li><code>{_e(n.id)}</code>: {_e(n.reason)}</li>" for n in report.not_applicable
     ) + "".join(f"<li>warning: {_e(w)}</li>" for w in report.warnings)
+    context = "".join(
+        f"<div>{_e(line)}</div>"
+        for line in (
+            summary.phase_line(report),
+            summary.sampling_line(report),
+            summary.cell_run_line(report),
+        )
+        if line
+    )
     return (
         f'<div class="ttm-report" style="{_STYLE}">'
-        f"<b>%%perfcheck</b> · {_e(summary.baseline_line(report))}"
+        f"<b>%%perfcheck</b> · {_e(summary.baseline_line(report))}{context}"
         f"{chart(report)}{table}{together}"
         f"{f'<ul>{notes}</ul>' if notes else ''}</div>"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..report import Finding, Report, Stats, Variant
 
 SLOWER = "measured slower here — not recommended"
+MEASURING = "measuring…"
 
 
 def solo_variant(report: Report, finding: Finding) -> Variant | None:
@@ -31,23 +32,39 @@ def size(value: int | None) -> str:
     return f"{value:.1f} GiB"
 
 
-def speedup(variant: Variant | None) -> str:
-    """`1.54x faster`, `0.87x — measured slower here — not recommended`, or why not measured."""
-    if variant is None:
-        return "not measured"
+def per_step(report: Report) -> str:
+    """` per batch` when runs were sampled (times are then per step), else ''."""
+    return f" per {report.sampling.unit}" if report.sampling else ""
+
+
+def speedup(report: Report, variant: Variant | None) -> str:
+    """`1.54x`, `0.87x — measured slower here — not recommended`, `measuring…`, or why not
+    measured; sampled runs add the whole cell, projected."""
+    if variant is None or (variant.speedup is None and not variant.error):
+        return MEASURING if report.measuring else "not measured"
     if variant.error:
         return f"failed: {variant.error}"
-    if variant.speedup is None:
-        return "not measured"
-    text = f"{variant.speedup:.2f}x"
+    assert variant.speedup is not None
+    text = f"{variant.speedup:.2f}x{per_step(report)}"
     if variant.is_slower:
         text += f" — {SLOWER}"
     elif not variant.is_win:
         text += " — no measurable change"
     if variant.noisy:
         text += " (noisy)"
+    whole = projected(report, variant)
+    if whole:
+        text += f"; {whole}"
     one_time = one_time_cost(variant)
     return f"{text}; {one_time}" if one_time else text
+
+
+def projected(report: Report, variant: Variant) -> str:
+    """`whole cell 61.2 s → 27.0 s (projected)` for a sampled measurement, or ''."""
+    before, after = report.baseline.projected_cell_s, variant.projected_cell_s
+    if before is None or after is None:
+        return ""
+    return f"whole cell {seconds(before)} → {seconds(after)} (projected)"
 
 
 def one_time_cost(variant: Variant) -> str:
@@ -104,10 +121,67 @@ def throughput(item: Stats | Variant | None) -> str:
 def baseline_line(report: Report) -> str:
     b = report.baseline
     env = report.environment
+    device = f"{env.get('device_name', '')} ({env.get('device', '')}), torch {env.get('torch', '')}"
+    if b.median_s is None:
+        state = MEASURING if report.measuring else "not measured"
+        return f"baseline {state} — {device}"
     noisy = " (noisy)" if b.noisy else ""
-    compute = f", {flops(b.flops)}/run at {throughput(b)}" if b.flops else ""
-    return (
-        f"baseline {seconds(b.median_s)} ± {seconds(b.iqr_s)} IQR over {b.runs} runs{noisy}, "
-        f"peak memory {size(b.peak_memory_bytes)}{compute} — {env.get('device_name', '')} "
-        f"({env.get('device', '')}), torch {env.get('torch', '')}"
+    unit = report.sampling.unit if report.sampling else "run"
+    compute = f", {flops(b.flops)}/{unit} at {throughput(b)}" if b.flops else ""
+    whole = (
+        f"; whole cell {seconds(b.projected_cell_s)} (projected)"
+        if b.projected_cell_s is not None
+        else ""
     )
+    return (
+        f"baseline {seconds(b.median_s)}{per_step(report)} ± {seconds(b.iqr_s)} IQR over "
+        f"{b.runs} runs{noisy}, peak memory {size(b.peak_memory_bytes)}{compute}{whole} — "
+        f"{device}"
+    )
+
+
+def sampling_line(report: Report) -> str:
+    """How a long cell was sampled, or '' when every run was the whole cell."""
+    sampled = report.sampling
+    if sampled is None:
+        return ""
+    unit = sampled.unit
+    total = sampled.steps_per_run
+    of = f" of {total}" if total else ""
+    detail = f" ({sampled.steps_detail})" if sampled.steps_detail else ""
+    first, last = sampled.warmup_steps + 1, sampled.stop_step
+    return (
+        f"sampled: every measuring run stopped after {unit} {last}{of}{detail}, "
+        f"{unit}s {first}–{last} timed after {sampled.warmup_steps} warm-up; "
+        f"times are per {unit}, the whole cell projected"
+    )
+
+
+def cell_run_line(report: Report) -> str:
+    """What became of the cell's one complete run (the kernel contract), or ''."""
+    run = report.cell_run
+    if run is None:
+        return ""
+    unit = report.sampling.unit if report.sampling else "step"
+    with_fixes = f", with {', '.join(run.fixes)}" if run.fixes else ""
+    if run.status == "probe":
+        return "the cell ran once, complete, in the probe: the kernel is as after that run"
+    if run.status == "running":
+        return f"finishing the cell: its one complete run{with_fixes}…"
+    if run.status == "skipped":
+        return "--no-finish: the cell's complete run was skipped; the kernel is as before the cell"
+    done = f"{run.steps} {unit}s" if run.steps is not None else ""
+    took = ", ".join(part for part in (seconds(run.seconds), done) if part)
+    if run.status == "complete":
+        return f"the cell's complete run: {took}{with_fixes}"
+    if run.status == "interrupted":
+        return f"the cell's complete run was interrupted (Ctrl-C) after {took}{with_fixes}"
+    return f"the cell's complete run failed after {took}{with_fixes}: {run.detail or ''}"
+
+
+def phase_line(report: Report) -> str:
+    if report.phase == "measuring":
+        return "measuring… numbers fill in as each configuration is measured"
+    if report.phase == "interrupted":
+        return "interrupted (Ctrl-C) before every number was in"
+    return ""

@@ -7,7 +7,17 @@ from . import summary
 
 
 def render(report: Report) -> str:
-    lines = ["%%perfcheck report", summary.baseline_line(report), ""]
+    lines = ["%%perfcheck report", summary.baseline_line(report)]
+    lines += [
+        line
+        for line in (
+            summary.phase_line(report),
+            summary.sampling_line(report),
+            summary.cell_run_line(report),
+        )
+        if line
+    ]
+    lines.append("")
     if not report.findings:
         lines.append("No findings: nothing in this cell matches the tuning guide's checks.")
     for index, finding in enumerate(report.findings, 1):
@@ -16,7 +26,7 @@ def render(report: Report) -> str:
         lines.append(f"   evidence: {finding.evidence}")
         lines.append(f"   where:    {finding.where}")
         if finding.fixable:
-            lines.append(f"   fix:      {summary.speedup(variant)}")
+            lines.append(f"   fix:      {summary.speedup(report, variant)}")
             for label, text in (
                 ("memory", summary.memory_change(report, variant)),
                 ("numerics", summary.numerics(variant)),
@@ -33,10 +43,12 @@ def render(report: Report) -> str:
         for item in finding.code_change.elsewhere if finding.code_change else []:
             lines.append(f"   also: {item}")
         lines.append(f"   guide:    {finding.guide}")
-    together = [v for v in report.variants if len(v.fixes) > 1]
+    together = [v for v in report.latest_variants() if len(v.fixes) > 1]
     for variant in together:
         lines.append("")
-        lines.append(f"all fixes together ({', '.join(variant.fixes)}): {summary.speedup(variant)}")
+        lines.append(
+            f"all fixes together ({', '.join(variant.fixes)}): {summary.speedup(report, variant)}"
+        )
         if variant.achieved_tflops is not None:
             lines.append(f"   compute:  {summary.throughput(variant)}")
     for item in report.not_applicable:

@@ -63,7 +63,7 @@ def _result_html(report: Report, variant: Variant) -> str:
         )
         if text
     )
-    return f'<b style="color:{color}">{_e(summary.speedup(variant))}</b> {badges}'
+    return f'<b style="color:{color}">{_e(summary.speedup(report, variant))}</b> {badges}'
 
 
 class _Row:
@@ -105,7 +105,9 @@ class _Row:
             self.result.value = "<i>no live fix: make the code change (Show code changes)</i>"
             return
         variant = summary.solo_variant(report, self.finding)
-        if variant is not None:
+        if variant is None and report.measuring:
+            self.result.value = f"<i>{summary.MEASURING}</i>"
+        elif variant is not None:
             self.measured_win = variant.is_win
             self._last_result = _result_html(report, variant)
             self.result.value = self._last_result
@@ -130,8 +132,9 @@ class Panel:
     """The live %%perfcheck panel for one Session.
 
     `Panel(shell)` builds it without displaying anything (tests, embedding); the magic uses
-    `Panel.measuring(shell)` to show it at once, feeds `progress` while the cell is measured,
-    then calls `attach` with the finished session, or `close` if the cell raised.
+    `Panel.measuring(shell)` to show it at once, feeds `progress` and `update` (the report
+    as it grows: findings first, then numbers) while the session runs, then calls `attach`
+    with the session so the controls work, or `close` if the cell raised before any report.
     """
 
     def __init__(self, shell: Any | None = None, run_id: str = ""):
@@ -141,6 +144,7 @@ class Panel:
         self.rows: dict[str, _Row] = {}
         self._syncing = False
         self._cell_parent: dict[str, Any] | None = None
+        self._displayed_report = False
 
         self.header = widgets.HTML("<b>%%perfcheck</b> · running the cell, then measuring…")
         self.bar = widgets.FloatProgress(
@@ -219,7 +223,8 @@ class Panel:
 
     @property
     def display_id(self) -> str | None:
-        return f"ttm-report-{self.session.run_id}" if self.session else None
+        run_id = self.session.run_id if self.session else self.root.run_id
+        return f"ttm-report-{run_id}" if run_id else None
 
     # wiring ---------------------------------------------------------------------------------
     def progress(self, fraction: float, message: str) -> None:
@@ -227,26 +232,39 @@ class Panel:
         self.bar.value = max(0.0, min(1.0, fraction))
         self.status.value = message
 
+    def update(self, report: Report) -> None:
+        """Show the report as it stands (the session's `on_report`): rows as soon as the
+        findings are in, numbers as they are measured; the saved-report output follows."""
+        ids = [f.id for f in report.findings]
+        if set(self.rows) != set(ids):
+            self._build_rows(report)
+        elif list(self.rows) != ids:  # re-sorted by measured gain: same rows, new order
+            self.rows = {i: self.rows[i] for i in ids}
+            self.rows_box.children = [row.box for row in self.rows.values()]
+        if self.root.run_id != report.run_id and report.run_id:
+            self._mark_run(report.run_id)
+        self._show(report)
+        self._publish(report)
+
     def attach(self, session: Session, report: Report) -> None:
-        """Bind the finished session: rows, chart, and the saved-report output."""
+        """Bind the session so toggles, Re-time and the other controls act on it."""
         self.session = session
         session.progress = self.progress
-        if self.root.run_id != session.run_id:
-            self._mark_run(session.run_id)
+        session.on_report = self.update
+        self.update(report)
+        self._sync_toggles()
+        self._set_busy(False)
+
+    def _build_rows(self, report: Report) -> None:
         self.rows = {f.id: _Row(f) for f in report.findings}
         for row in self.rows.values():
             if row.toggle is not None:
+                row.toggle.disabled = self.session is None
                 row.toggle.observe(
                     lambda change, row=row: self._guarded(lambda: self._toggled(row, change)),
                     "value",
                 )
         self.rows_box.children = [row.box for row in self.rows.values()]
-        self._show(report)
-        self._sync_toggles()
-        self._set_busy(False)
-        if self._shell is not None:
-            self._cell_parent = self._current_parent()
-            display(bundle.render(report), raw=True, display_id=self.display_id)
 
     def close(self) -> None:
         """Close every widget of the panel (the cell raised, or the panel is done)."""
@@ -262,8 +280,6 @@ class Panel:
         fix_sets = [applied, *([i] for i in applied)] if len(applied) > 1 else [applied]
         with self._busy():
             report = session.measure(fix_sets if applied else None, budget_s=session.options.budget)
-        self._show(report)
-        self._publish(report)
         return report
 
     def apply_wins(self) -> None:
@@ -317,11 +333,19 @@ class Panel:
 
     def _show(self, report: Report) -> None:
         self.report = report
-        self.header.value = (
-            f"<b>%%perfcheck</b> · {_e(summary.baseline_line(report))}"
+        context = "".join(
+            f"<br>{_e(line)}"
+            for line in (
+                summary.phase_line(report),
+                summary.sampling_line(report),
+                summary.cell_run_line(report),
+            )
+            if line
+        )
+        self.header.value = f"<b>%%perfcheck</b> · {_e(summary.baseline_line(report))}{context}" + (
+            ""
             if report.findings
-            else f"<b>%%perfcheck</b> · {_e(summary.baseline_line(report))}<br>No findings: "
-            "nothing in this cell matches the tuning guide's checks."
+            else "<br>No findings: nothing in this cell matches the tuning guide's checks."
         )
         for row in self.rows.values():
             row.show(report)
@@ -336,14 +360,14 @@ class Panel:
         """The shared SVG time chart, the sets measured together, and memory where it moved."""
         together = "".join(
             f"<div>together ({_e(', '.join(v.fixes))}): {_result_html(report, v)}</div>"
-            for v in report.variants
+            for v in report.latest_variants()
             if len(v.fixes) > 1
         )
         base = report.baseline.peak_memory_bytes
         memory = "".join(
             f"<div>peak memory with {_e('+'.join(v.fixes))}: "
             f"{_e(summary.memory_change(report, v))}</div>"
-            for v in report.variants
+            for v in report.latest_variants()
             if v.peak_memory_bytes is not None
             and base
             and abs(v.peak_memory_bytes / base - 1) >= MEMORY_CHANGE
@@ -380,13 +404,18 @@ class Panel:
         self.optimized.value = cell
 
     def _publish(self, report: Report) -> None:
-        """Update the saved-report output, as an output of the %%perfcheck cell itself.
+        """Show or update the saved-report output, as an output of the %%perfcheck cell.
 
         A button click is a comm message, and JupyterLab/Notebook 7 route an output update
         to a cell only when its parent is that cell's execute request; so the update is
-        sent under the parent the cell had when `attach` displayed the report.
+        sent under the parent the cell had when the report was first displayed.
         """
         if self._shell is None:
+            return
+        if not self._displayed_report:
+            self._displayed_report = True
+            self._cell_parent = self._current_parent()
+            display(bundle.render(report), raw=True, display_id=self.display_id)
             return
         publisher = getattr(self._shell, "display_pub", None)
         token = None

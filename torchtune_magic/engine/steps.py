@@ -1,0 +1,447 @@
+"""Steps: a cell's repeating unit, and measuring runs that stop after the same step.
+
+A long training cell repeats one unit of work: a batch drawn from a DataLoader, an
+optimizer step, or a top-level forward of the main model. The probe counts these units
+(and, once a cell is long, stops itself at a step boundary); measuring runs of a long cell
+then stop after the same step K for every configuration, the first W of them warm-up, so
+every configuration is timed over the same work and compared per step.
+
+How K, W and the threshold are chosen (from the measuring budget B and the number of
+configurations C, i.e. the baseline plus the fix sets):
+- A run is *sampled* when C configurations x (1 warm-up + TARGET_ROUNDS timed + 2 checking
+  runs) of the whole cell would not fit in B (`worth_sampling`); a cell the probe had to
+  stop early is always sampled. A cell with fewer than W + MIN_TIMED_STEPS + 1 steps never is.
+- W = 2 warm-up steps where the cell has room for them (1 otherwise): the first step pays
+  the iterator's and workers' start, compile and autotuning, the second catches a recompile;
+  neither is timed (their cost is reported apart as one-time cost, from the first run).
+- K is the largest stop step for which C x (1 + TARGET_ROUNDS) runs of K steps, plus C
+  short profiled runs for memory, fit in B, computed from the baseline's first uninstrumented
+  run (time to step W, then time per step): `choose_stop`. At least MIN_TIMED_STEPS are
+  timed per run, even when that overruns the budget (the report says so).
+
+The stop is a private BaseException raised from the counting hook at the step boundary, so
+user code that catches `Exception` does not swallow it; the runner catches it.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from . import frameworks
+from .fixes import Patcher
+from .workload import synchronize
+
+if TYPE_CHECKING:
+    from .probe import Observation, StepTrace
+
+WARMUP_STEPS = 2
+MIN_TIMED_STEPS = 3
+TARGET_ROUNDS = 3  # timed rounds a sampled measurement plans for
+PROFILED_RUN_COST = 2.0  # a run under the memory profiler costs about this many plain runs
+MEMORY_STEPS = 1  # steps after the warm-up that a profiled (memory) run takes
+
+
+class StepLimitReached(BaseException):
+    """Ends a measuring run at its stop step. A BaseException, like KeyboardInterrupt, so a
+    cell's own `except Exception:` lets it through; only the runner catches it."""
+
+
+@dataclass
+class StepSource:
+    """What one step of the cell is, identified so that objects a fix rebuilds still count:
+    a rebuilt loader shares the dataset, a rebuilt optimizer the parameters, a compiled
+    model wraps the module."""
+
+    unit: str  # "batch" | "optimizer step" | "forward"
+    label: str  # the object as the user names it: `train_loader`, `opt`, `model`
+    key: Any  # dataset (batch), first parameter (optimizer step), module (forward)
+    line: int | None = None  # the cell line the steps are issued from
+
+    def matches(self, obj: Any) -> bool:
+        """Whether a loader iterator / optimizer / module belongs to this source."""
+        if self.unit == "batch":
+            return getattr(obj, "_dataset", None) is self.key
+        if self.unit == "optimizer step":
+            return first_parameter(obj) is self.key
+        return obj is self.key or getattr(obj, "_orig_mod", None) is self.key
+
+
+def first_parameter(optimizer: Any) -> torch.Tensor | None:
+    groups = getattr(optimizer, "param_groups", None) or []
+    params = groups[0].get("params", []) if groups else []
+    return params[0] if params else None
+
+
+@dataclass
+class StepTimes:
+    """What one counted run saw: steps done, and seconds from the run's start to the
+    boundary after step W (`lead_s`) and after step K (`stop_s`)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    count: int = 0
+    lead_s: float | None = None
+    stop_s: float | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_s is not None
+
+    def per_step(self, warmup: int) -> float | None:
+        """Mean seconds per timed step (steps W+1 … K)."""
+        if self.lead_s is None or self.stop_s is None or self.count <= warmup:
+            return None
+        return (self.stop_s - self.lead_s) / (self.count - warmup)
+
+
+class StepCounter:
+    """Counts one source's steps during a run: notes the time at the boundary after step
+    `warmup`, raises StepLimitReached at the boundary after step `stop` (None: never), and
+    calls `on_step(count)` after each step (progress of the cell's complete run).
+
+    Boundaries: a batch's step ends when the next batch is asked for; an optimizer step's
+    when `step()` returns; a forward's when the next top-level forward starts. The hooks
+    run outside compiled code (a DataLoader iterator, Optimizer.step, the outer module
+    call), so a compiled model or function still counts."""
+
+    def __init__(
+        self,
+        source: StepSource,
+        *,
+        warmup: int | None = None,
+        stop: int | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ):
+        self.source = source
+        self.warmup = warmup
+        self.stop = stop
+        self.on_step = on_step
+        self.times = StepTimes()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[StepTimes]:
+        self.times = StepTimes()
+        patcher = Patcher()
+        handles: list[Any] = []
+        try:
+            if self.source.unit == "batch":
+                original = _BaseDataLoaderIter.__next__
+                patcher.setattr(_BaseDataLoaderIter, "__next__", self._counted_next(original))
+            elif self.source.unit == "optimizer step":
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
+            else:
+                from torch.nn.modules.module import register_module_forward_pre_hook
+
+                handles.append(register_module_forward_pre_hook(self._before_forward))
+            yield self.times
+        finally:
+            for handle in handles:
+                handle.remove()
+            patcher.undo()
+
+    def _boundary(self) -> None:
+        """The boundary after step `times.count`: mark, stop, or go on."""
+        times = self.times
+        if times.stopped:  # the cell caught our stop and went on: stop it again
+            raise StepLimitReached
+        if self.warmup is not None and times.count == self.warmup and times.lead_s is None:
+            synchronize()
+            times.lead_s = time.perf_counter() - times.started
+        if self.stop is not None and times.count >= self.stop:
+            synchronize()
+            times.stop_s = time.perf_counter() - times.started
+            raise StepLimitReached
+
+    def _stepped(self) -> None:
+        self.times.count += 1
+        if self.on_step is not None:
+            self.on_step(self.times.count)
+
+    def _counted_next(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def counted_next(iterator: Any) -> Any:
+            if not self.source.matches(iterator):
+                return original(iterator)
+            self._boundary()
+            batch = original(iterator)  # StopIteration ends an epoch: not a step
+            self._stepped()
+            return batch
+
+        return counted_next
+
+    def _after_optimizer_step(self, optimizer: Any, *_: Any) -> None:
+        if self.source.matches(optimizer):
+            self._stepped()
+            self._boundary()
+
+    def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling() or not self.source.matches(module):
+            return
+        self._boundary()
+        self._stepped()
+
+
+# how many steps one complete run has ------------------------------------------------------
+
+
+@dataclass
+class StepCount:
+    """Steps in one complete run of the cell, or None with the reason it is not known."""
+
+    total: int | None
+    detail: str
+
+
+def _int_value(node: ast.expr, namespace: dict[str, Any]) -> int | None:
+    """The value of a small integer expression in the cell: literals, names, attributes and
+    + - * // of them, `len(x)` (never calls anything else)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        value = _object_value(node, namespace)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int_value(node.operand, namespace)
+        return -inner if inner is not None else None
+    if isinstance(node, ast.BinOp) and isinstance(
+        node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)
+    ):
+        left, right = _int_value(node.left, namespace), _int_value(node.right, namespace)
+        if left is None or right is None or (isinstance(node.op, ast.FloorDiv) and not right):
+            return None
+        ops: dict[type, Callable[[int, int], int]] = {
+            ast.Add: lambda a, b: a + b,
+            ast.Sub: lambda a, b: a - b,
+            ast.Mult: lambda a, b: a * b,
+            ast.FloorDiv: lambda a, b: a // b,
+        }
+        return ops[type(node.op)](left, right)
+    if _is_call_of(node, "len") and len(node.args) == 1:
+        return _sized_length(_object_value(node.args[0], namespace))
+    return None
+
+
+def _object_value(node: ast.expr, namespace: dict[str, Any]) -> Any:
+    """A name or attribute chain looked up in the namespace (no calls), else None."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id)
+    if isinstance(node, ast.Attribute):
+        owner = _object_value(node.value, namespace)
+        try:
+            return getattr(owner, node.attr, None) if owner is not None else None
+        except Exception:  # a property that raises
+            return None
+    return None
+
+
+def _is_call_of(node: ast.expr, name: str) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Name) and func.id == name) or (
+        isinstance(func, ast.Attribute) and func.attr == name
+    )
+
+
+def _sized_length(value: Any) -> int | None:
+    try:
+        length = len(value)
+    except Exception:  # unsized, or an IterableDataset's loader
+        return None
+    return length if isinstance(length, int) else None
+
+
+# wrappers that iterate their first argument as many times as it has items
+_PASS_THROUGH = ("enumerate", "tqdm", "iter", "list", "tuple")
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _trips(node: ast.expr, namespace: dict[str, Any]) -> tuple[int | None, Any]:
+    """How many times a `for` over `node` runs, and the object it iterates (if a name)."""
+    if _is_call_of(node, "range") and 1 <= len(node.args) <= 3:  # type: ignore[attr-defined]
+        values = [_int_value(arg, namespace) for arg in node.args]  # type: ignore[attr-defined]
+        if any(v is None for v in values) or (len(values) == 3 and values[2] == 0):
+            return None, None
+        return len(range(*values)), None  # type: ignore[arg-type]
+    if isinstance(node, ast.Call) and node.args and _is_call_of(node, "zip"):
+        lengths = [_trips(arg, namespace)[0] for arg in node.args]
+        known = [n for n in lengths if n is not None]
+        return (min(known) if known and len(known) == len(lengths) else None), None
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        if name in _PASS_THROUGH:
+            return _trips(node.args[0], namespace)
+        return None, None
+    value = _object_value(node, namespace)
+    return _sized_length(value), value
+
+
+def _enclosing_loops(tree: ast.Module, line: int) -> list[ast.For | ast.While]:
+    """The loops of the cell's own code (not of functions it defines) whose span holds
+    `line`, outermost first."""
+    loops: list[ast.For | ast.While] = []
+    node: ast.AST = tree
+    while True:
+        inner = next(
+            (
+                child
+                for child in ast.iter_child_nodes(node)
+                if isinstance(child, ast.stmt)
+                and not isinstance(child, _SCOPES)
+                and child.lineno <= line <= (child.end_lineno or child.lineno)
+            ),
+            None,
+        )
+        if inner is None:
+            return loops
+        if isinstance(inner, (ast.For, ast.While)):
+            loops.append(inner)
+        node = inner
+
+
+def loop_total(
+    tree: ast.Module,
+    line: int | None,
+    namespace: dict[str, Any],
+    *,
+    per_pass: int | None = None,
+    iterated: Any = None,
+) -> tuple[int | None, list[str]]:
+    """Times the cell's loops around `line` run it, times `per_pass` (steps each time the
+    line runs, e.g. batches per epoch when the line iterates a loader), and the parts of
+    that product as text. A loop over `iterated` itself counts as `per_pass`, not again."""
+    if line is None:
+        return None, ["the line that issues the steps is not in the cell"]
+    total = 1
+    parts: list[str] = []
+    for loop in _enclosing_loops(tree, line):
+        if isinstance(loop, ast.While):
+            return None, [f"a while loop at cell line {loop.lineno} (its trip count is unknown)"]
+        trips, value = _trips(loop.iter, namespace)
+        if iterated is not None and value is iterated:
+            continue  # the loop over the loader itself: that is per_pass
+        if trips is None:
+            text = ast.unparse(loop.iter)
+            return None, [f"`for … in {text}` at cell line {loop.lineno} has no known length"]
+        total *= trips
+        parts.append(f"{trips} x `{ast.unparse(loop.iter)}` (cell line {loop.lineno})")
+    if per_pass is not None:
+        total *= per_pass
+    return total, parts
+
+
+# how long to sample ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """Every measuring run stops after step `stop`, steps 1 … `warmup` untimed."""
+
+    source: StepSource
+    warmup: int
+    stop: int
+
+    @property
+    def timed(self) -> int:
+        return self.stop - self.warmup
+
+
+def warmup_for(total: int | None) -> int:
+    """W: two warm-up steps where the run has room for them and MIN_TIMED_STEPS after."""
+    if total is not None and total < WARMUP_STEPS + MIN_TIMED_STEPS + 1:
+        return 1
+    return WARMUP_STEPS
+
+
+def worth_sampling(run_s: float, configurations: int, budget_s: float) -> bool:
+    """Whether whole-cell runs (a warm-up, a checked run and TARGET_ROUNDS timed runs per
+    configuration, the checked one profiled) would overrun the budget."""
+    runs = configurations * (1 + TARGET_ROUNDS + PROFILED_RUN_COST)
+    return runs * run_s > budget_s
+
+
+def choose_stop(
+    budget_s: float,
+    configurations: int,
+    lead_s: float,
+    step_s: float,
+    warmup: int,
+    total: int | None,
+) -> int:
+    """K: the most steps per run for which every run of the measurement fits the budget
+    (see the module docstring), between W + MIN_TIMED_STEPS and the run's last step."""
+    memory_run = PROFILED_RUN_COST * (lead_s + MEMORY_STEPS * step_s)
+    per_run = budget_s / (configurations * (1 + TARGET_ROUNDS)) - memory_run / (1 + TARGET_ROUNDS)
+    timed = math.floor((per_run - lead_s) / step_s) if step_s > 0 else MIN_TIMED_STEPS
+    stop = warmup + max(MIN_TIMED_STEPS, timed)
+    if total is not None:
+        stop = min(stop, total - 1)
+    return max(stop, warmup + 1)
+
+
+# from the probe's observation -------------------------------------------------------------
+
+
+def source_of(obs: Observation, trace: StepTrace) -> StepSource:
+    """The step source for the probe's leading trace, keyed to survive rebuilt objects and
+    named as the user names the object."""
+    obj = trace.obj
+    line = min(trace.lines) if trace.lines else None
+    entry = obs.found.get(id(obj))
+    label = entry.name if entry is not None else type(obj).__name__
+    if trace.unit == "batch":
+        return StepSource("batch", label, obj.dataset, line)
+    if trace.unit == "optimizer step":
+        return StepSource("optimizer step", label, first_parameter(obj), line)
+    return StepSource("forward", label, obj, line)
+
+
+def count_steps(obs: Observation, trace: StepTrace) -> StepCount:
+    """Steps in one complete run: counted when the probe ran the whole cell, else worked
+    out from the framework's settings or the cell's loops (None when neither tells)."""
+    namespace = obs.workload.namespace
+    if not obs.stopped_early:
+        return StepCount(trace.count, f"{_epochs_text(trace)}counted in the probe's complete run")
+    line = min(trace.lines) if trace.lines else None
+    if trace.unit == "batch":
+        for trainer in frameworks.lightning_trainers(namespace):
+            known = frameworks.lightning_total_batches(trainer)
+            if known is not None:
+                return StepCount(known[0], f"{known[1]} = {known[0]} steps")
+        per_epoch = trace.epoch_lengths[0] if trace.epoch_lengths else _sized_length(trace.obj)
+        if per_epoch is None:
+            return StepCount(None, "the loader has no length and no epoch ended in the probe")
+        how = "seen in the probe" if trace.epoch_lengths else "len of the loader"
+        total, parts = loop_total(obs.tree, line, namespace, per_pass=per_epoch, iterated=trace.obj)
+        if total is None:
+            return StepCount(None, f"not known before the complete run: {parts[0]}")
+        epochs = total // per_epoch
+        loops = f" ({'; '.join(parts)})" if parts else ""
+        return StepCount(
+            total,
+            f"{epochs} epoch{'s' if epochs != 1 else ''} x {per_epoch} batches ({how}) = "
+            f"{total} steps{loops}",
+        )
+    total, parts = loop_total(obs.tree, line, namespace)
+    if total is None:
+        return StepCount(None, f"not known before the complete run: {parts[0]}")
+    return StepCount(total, f"{total} steps ({'; '.join(parts) or 'no loop in the cell'})")
+
+
+def _epochs_text(trace: StepTrace) -> str:
+    lengths = trace.epoch_lengths
+    if trace.unit != "batch" or len(lengths) < 2:
+        return ""
+    if len(set(lengths)) == 1:
+        return f"{len(lengths)} epochs x {lengths[0]} batches = {trace.count} steps, "
+    return f"{len(lengths)} epochs, {trace.count} batches, "
