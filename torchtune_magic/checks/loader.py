@@ -416,8 +416,7 @@ class _Target:
 
 def _target(obs: Observation, use: LoaderUse) -> _Target:
     loader = use.loader
-    entry = obs.found.get(id(loader))
-    locations = list(entry.locations) if entry else []
+    locations = obs.lasting_locations(loader)
     name = str(locations[0]) if locations else f"a {type(loader).__name__}"
     cell_call = None
     unreachable = None

@@ -174,6 +174,7 @@ class Observation:
     peak_memory: memory.Peak | None = None
     found: dict[int, discovery.Found] = field(default_factory=dict)
     preexisting: set[int] = field(default_factory=set)  # ids in `found` before the cell ran
+    names_before: frozenset[str] = frozenset()  # namespace names bound before the cell ran
     device: str = "cpu"
     # minor page faults of this process during the probe run (None where the OS does not
     # report them): the allocator handing memory back to the OS and faulting it in again
@@ -195,6 +196,15 @@ class Observation:
     @property
     def tree(self) -> ast.Module:
         return self.workload.tree
+
+    def lasting_locations(self, obj: Any) -> list[discovery.Location]:
+        """Where `obj` is reachable from names bound before the cell ran: the places a fix
+        can rebind it. (Paths through objects the cell builds, such as a Trainer holding
+        the loader, are rebuilt by every run and gone when the start state is restored.)"""
+        entry = self.found.get(id(obj))
+        if entry is None:
+            return []
+        return [loc for loc in entry.locations if loc.steps[0].key in self.names_before]
 
     def module_path(self, module: torch.nn.Module) -> str:
         """`model.layer1.0.conv1` for a submodule, the namespace path for a top-level one."""
@@ -666,6 +676,7 @@ def run(
     obs = Observation(workload, device=device)
     obs.found = discovery.walk(workload.namespace)
     obs.preexisting = set(obs.found)
+    obs.names_before = frozenset(workload.namespace)
     obs.anomaly_at_start = torch.is_anomaly_enabled()
     obs.profiler_at_start = bool(torch.autograd._profiler_enabled())
     if use_profiler is None:
