@@ -20,7 +20,12 @@ NO_CHANGE_BAND = 0.02  # speedups in [1, 1.02) read "no measurable change", neve
 # run under way, all done, or stopped by the user (Ctrl-C) before every number was in.
 PHASES = ("measuring", "finishing", "done", "interrupted")
 STEP_UNITS = ("batch", "optimizer step", "forward")
-OPTIONAL_MEASUREMENT_FIELDS = ("projected_cell_s", "measured_at", "baseline_median_s")
+OPTIONAL_MEASUREMENT_FIELDS = (
+    "projected_cell_s",
+    "measured_at",
+    "baseline_median_s",
+    "one_time_cause",
+)
 THROUGHPUT_FIELDS = (
     "flops",
     "flops_breakdown",
@@ -102,6 +107,7 @@ class Variant:
     peak_memory_bytes: int | None = None
     numerics: Numerics = field(default_factory=Numerics)
     one_time_s: float | None = None
+    one_time_cause: str | None = None  # what the one-time cost pays for, e.g. "compile"
     break_even_runs: int | None = None
     noisy: bool = False
     error: str | None = None

@@ -36,7 +36,7 @@ class CudnnBenchmarkFix(Fix):
     run with it autotunes each conv shape: a one-time cost, reported apart."""
 
     check_id = "cudnn-benchmark"
-    one_time_cost = True  # autotuning every conv shape on the first run
+    one_time_cause = "cuDNN autotune"  # every conv shape is tuned on the first run
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         patcher.switch(torch.backends.cudnn, "benchmark", True)

@@ -237,7 +237,7 @@ class CompileFix(Fix):
 
     check_id = "fuse-pointwise"
     tolerance = TOLERANCE
-    one_time_cost = True  # compiling
+    one_time_cause = "compile"
 
     def __init__(self, targets: list[Target]):
         super().__init__()

@@ -468,7 +468,7 @@ class _LoaderFix(Fix):
 
 class WorkersFix(_LoaderFix):
     check_id = "dataloader-workers"
-    one_time_cost = True  # starting the worker processes
+    one_time_cause = "worker start"
 
 
 class PinMemoryFix(_LoaderFix):

@@ -100,9 +100,9 @@ class Fix:
 
     check_id: ClassVar[str] = ""
     tolerance: ClassVar[float] = 0.0  # max relative difference still called "close"
-    # Whether a first run with the fix can pay a real one-time cost (compiling, starting
-    # workers, autotuning). Only such fixes report one; for others a slow first run is noise.
-    one_time_cost: ClassVar[bool] = False
+    # What a first run with the fix can pay once ("compile", "worker start", "cuDNN
+    # autotune"). Only such fixes report a one-time cost; for others a slow first run is noise.
+    one_time_cause: ClassVar[str] = ""
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None

@@ -68,12 +68,14 @@ def projected(report: Report, variant: Variant) -> str:
 
 
 def one_time_cost(variant: Variant) -> str:
-    """`13.8 s one-time (compile, worker start), pays back after 92 runs`, or ''."""
+    """`13.8 s one-time (compile), pays back after 92 runs`, or ''."""
     if variant.one_time_s is None:
         return ""
-    text = f"{seconds(variant.one_time_s)} one-time (compile, worker start)"
+    cause = variant.one_time_cause or "compile, worker start"
+    text = f"{seconds(variant.one_time_s)} one-time ({cause})"
     if variant.break_even_runs is not None:
-        text += f", pays back after {variant.break_even_runs} runs"
+        runs = variant.break_even_runs
+        text += f", pays back after {runs} run{'s' if runs != 1 else ''}"
     return text
 
 
