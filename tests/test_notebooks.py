@@ -81,6 +81,13 @@ def test_run_cli_prints_reports_and_writes_json_and_html(kernel_env: Path) -> No
     assert done.returncode == 0, done.stderr
     assert "=== 01_quickstart.ipynb, cell 6 ===" in done.stdout
     assert "%%perfcheck report" in done.stdout and "[dataloader-workers]" in done.stdout
+    # the log streams while the notebook runs: findings first, then numbers, then done
+    log = done.stdout.split("=== 01_quickstart.ipynb")[0].splitlines()
+    found = next(i for i, line in enumerate(log) if "cell 6: findings: " in line)
+    measured = next(i for i, line in enumerate(log) if "cell 6: dataloader-workers: " in line)
+    finished = next(i for i, line in enumerate(log) if "cell 6: done" in line)
+    assert "dataloader-workers" in log[found] and found < measured < finished
+    assert "x" in log[measured].split("dataloader-workers: ")[1]  # a speedup, e.g. 2.41x
 
     [written] = sorted(out.glob("*.json"))
     assert written.name == "01_quickstart-cell6.json"

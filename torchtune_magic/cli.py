@@ -35,7 +35,11 @@ def _run(args: argparse.Namespace) -> int:
     print(f"running {notebook} (kernel {args.kernel}, timeout {args.timeout:g} s per cell)…")
     try:
         result = runner.run_notebook(
-            notebook, timeout=args.timeout, kernel_name=args.kernel, output=args.output
+            notebook,
+            timeout=args.timeout,
+            kernel_name=args.kernel,
+            output=args.output,
+            log=lambda line: print(f"  {line}", flush=True),
         )
     except runner.RunError as error:
         print(f"error: {error}", file=sys.stderr)

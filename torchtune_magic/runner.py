@@ -3,7 +3,9 @@
 A notebook is the unit users share, so CI and demos run the notebook itself (nbclient, a
 real kernel) rather than a copy of its code. Each `%%perfcheck` cell publishes its report as
 a MIME output and updates it in place on re-times; nbclient applies those updates, so the
-last report output of a cell is its final report.
+last report output of a cell is its final report. While a notebook runs, `ReportLog` turns
+those outputs into log lines as they arrive: the findings as soon as they are found, each
+fix's number as soon as it is measured, the cell's complete run.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from html import escape
@@ -40,6 +42,51 @@ class CellReport:
     @property
     def report(self) -> Report:
         return Report.from_dict(self.data)
+
+
+class ReportLog:
+    """Log lines for a cell's report as it grows (one `seen` call per report output or
+    update): findings, then each fix's first number, then the final numbers."""
+
+    def __init__(self, write: Callable[[str], None]):
+        self.write = write
+        self._seen: dict[str, tuple[str, set[tuple[str, ...]]]] = {}  # run id: phase, fix sets
+
+    def seen(self, cell: int, data: dict[str, Any]) -> None:
+        from .render import summary
+
+        report = Report.from_dict(data)
+        phase, logged = self._seen.get(report.run_id, ("", set()))
+        where = f"cell {cell}"
+        if not phase:
+            ids = ", ".join(f.id for f in report.findings) or "none"
+            self.write(f"{where}: findings: {ids}")
+        for variant in report.latest_variants():
+            key = tuple(variant.fixes)
+            if key not in logged and (variant.speedup is not None or variant.error):
+                logged.add(key)
+                self.write(f"{where}: {'+'.join(key)}: {summary.speedup(report, variant)}")
+        if report.phase != phase:
+            line = summary.cell_run_line(report) if report.phase != "measuring" else ""
+            if report.phase == "done":
+                line = f"done ({line})" if line else "done"
+            if line:
+                self.write(f"{where}: {line}")
+        self._seen[report.run_id] = (report.phase, logged)
+
+
+def _logging_client(client_class: type, log: ReportLog) -> type:
+    """`client_class` (nbclient's NotebookClient) that hands every report output or update
+    to `log` as the kernel sends it."""
+
+    class LoggingClient(client_class):  # type: ignore[misc, valid-type]
+        def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+            data = msg.get("content", {}).get("data") or {}
+            if msg.get("msg_type") in ("display_data", "update_display_data") and MIME_TYPE in data:
+                log.seen(cell_index + 1, data[MIME_TYPE])
+            return super().process_message(msg, cell, cell_index)
+
+    return LoggingClient
 
 
 @dataclass
@@ -90,10 +137,12 @@ def run_notebook(
     timeout: float = DEFAULT_TIMEOUT_S,
     kernel_name: str = "python3",
     output: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Execute the notebook in its own folder (so it imports its helper modules) and return
-    it with its reports. Raises RunError for a missing notebook, a failing or timed-out
-    cell, or a kernel that cannot start; `output` is written even then, to show where."""
+    it with its reports; `log` gets a line as each report's findings and numbers come in.
+    Raises RunError for a missing notebook, a failing or timed-out cell, or a kernel that
+    cannot start; `output` is written even then, to show where."""
     import nbformat
     from jupyter_client.kernelspec import NoSuchKernel
     from nbclient import NotebookClient
@@ -103,7 +152,10 @@ def run_notebook(
     if not path.is_file():
         raise RunError(f"notebook not found: {path}")
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(
+    client_class = (
+        NotebookClient if log is None else _logging_client(NotebookClient, ReportLog(log))
+    )
+    client = client_class(
         notebook,
         kernel_name=kernel_name,
         timeout=timeout,
