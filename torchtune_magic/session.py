@@ -142,6 +142,8 @@ class Session:
                 self.report.phase = "interrupted"
                 self.publish(self.report)
             raise
+        if not self.options.finish:  # before --apply: its fixes then stay on that state
+            self._back_to_start()
         for check_id in self._requested_fixes(report):
             try:
                 self.apply(check_id)
@@ -217,17 +219,14 @@ class Session:
         __tracebackhide__ = True
         ids = self.applied_ids
         if not self.options.finish:
-            if self._start_state is not None and self._kernel != BEFORE_CELL:
-                self._start_state.restore()
-                self._kernel = BEFORE_CELL
+            self._back_to_start()
             self._finished(CellRun("skipped", fixes=ids, detail="--no-finish: kernel as before"))
             return
         if self._kernel == AFTER_ONE_RUN:
             steps_done = self.step_count.total if self.step_count else None
             self._finished(CellRun("probe", steps=steps_done, fixes=ids))
             return
-        if self._start_state is not None and self._kernel != BEFORE_CELL:
-            self._start_state.restore()
+        self._back_to_start()
         self.cell_run = CellRun("running", fixes=ids)
         self.publish(self._build_report(phase="finishing"))
         applied = [self._applied[i] for i in ids]
@@ -258,6 +257,12 @@ class Session:
         if count and self.step_count is not None and self.step_count.total is None:
             self.step_count = steps.StepCount(count, "counted in the cell's complete run")
         self._finished(CellRun("complete", seconds, count, ids))
+
+    def _back_to_start(self) -> None:
+        """Put the kernel back as it was before the cell (where a snapshot was taken)."""
+        if self._start_state is not None and self._kernel != BEFORE_CELL:
+            self._start_state.restore()
+            self._kernel = BEFORE_CELL
 
     def _finished(self, cell_run: CellRun) -> None:
         self.cell_run = cell_run

@@ -164,6 +164,59 @@ class _RNGState:
             generator.set_state(state)
 
 
+@dataclass(frozen=True)
+class _TorchSwitches:
+    """Process-wide torch modes a cell can flip and leave flipped: a run stopped at a step
+    (or interrupted) never reaches the line that flips them back, so every run after it
+    would start in the wrong mode (anomaly detection left on, say)."""
+
+    anomaly: tuple[bool, bool]
+    grad_enabled: bool
+    default_dtype: torch.dtype
+    deterministic: tuple[bool, bool]
+    matmul_precision: str
+    cudnn: tuple[bool, bool, bool]
+    threads: int
+
+    @classmethod
+    def capture(cls) -> _TorchSwitches:
+        cudnn = torch.backends.cudnn
+        return cls(
+            (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+            torch.is_grad_enabled(),
+            torch.get_default_dtype(),
+            (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            torch.get_float32_matmul_precision(),
+            (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32),
+            torch.get_num_threads(),
+        )
+
+    def restore(self) -> None:
+        """Set back each switch that differs (setting one can cost: threads, for one)."""
+        now = _TorchSwitches.capture()
+        if now == self:
+            return
+        if now.anomaly != self.anomaly:
+            torch.autograd.set_detect_anomaly(*self.anomaly)
+        if now.grad_enabled != self.grad_enabled:
+            torch.set_grad_enabled(self.grad_enabled)
+        if now.default_dtype != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
+        if now.deterministic != self.deterministic:
+            enabled, warn_only = self.deterministic
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        if now.matmul_precision != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        if now.cudnn != self.cudnn:
+            cudnn = torch.backends.cudnn
+            cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = self.cudnn
+        if now.threads != self.threads:
+            torch.set_num_threads(self.threads)
+
+
 @dataclass
 class Snapshot:
     """Everything needed to put the kernel back as it was when the snapshot was taken."""
@@ -175,6 +228,7 @@ class Snapshot:
     optimizers: list[_OptimizerState] = field(default_factory=list)
     stateful: list[_StateDictObject] = field(default_factory=list)
     rng: _RNGState | None = None
+    switches: _TorchSwitches | None = None
 
     @property
     def nbytes(self) -> int:
@@ -198,6 +252,8 @@ class Snapshot:
             obj.restore()
         if self.rng is not None:
             self.rng.restore()
+        if self.switches is not None:
+            self.switches.restore()
 
 
 _MISSING = object()
@@ -252,6 +308,7 @@ def take(namespace: dict[str, Any], found: dict[int, discovery.Found]) -> Snapsh
             _StateDictObject.of(e.obj) for e in found.values() if isinstance(e.obj, stateful_types)
         ],
         rng=_RNGState.capture(generators),
+        switches=_TorchSwitches.capture(),
     )
 
 

@@ -32,6 +32,11 @@ def size(value: int | None) -> str:
     return f"{value:.1f} GiB"
 
 
+def plural(unit: str) -> str:
+    """`batches`, `optimizer steps`, `forwards`."""
+    return f"{unit}es" if unit.endswith(("ch", "sh", "s", "x")) else f"{unit}s"
+
+
 def per_step(report: Report) -> str:
     """` per batch` when runs were sampled (times are then per step), else ''."""
     return f" per {report.sampling.unit}" if report.sampling else ""
@@ -154,7 +159,7 @@ def sampling_line(report: Report) -> str:
     first, last = sampled.warmup_steps + 1, sampled.stop_step
     return (
         f"sampled: every measuring run stopped after {unit} {last}{of}{detail}, "
-        f"{unit}s {first}–{last} timed after {sampled.warmup_steps} warm-up; "
+        f"{plural(unit)} {first}–{last} timed after {sampled.warmup_steps} warm-up; "
         f"times are per {unit}, the whole cell projected"
     )
 
@@ -172,7 +177,7 @@ def cell_run_line(report: Report) -> str:
         return f"finishing the cell: its one complete run{with_fixes}…"
     if run.status == "skipped":
         return "--no-finish: the cell's complete run was skipped; the kernel is as before the cell"
-    done = f"{run.steps} {unit}s" if run.steps is not None else ""
+    done = f"{run.steps} {plural(unit)}" if run.steps is not None else ""
     took = ", ".join(part for part in (seconds(run.seconds), done) if part)
     if run.status == "complete":
         return f"the cell's complete run: {took}{with_fixes}"

@@ -1,0 +1,233 @@
+"""Long training cells: findings first, sampled runs stopped at the same step, the cell's one
+complete run last (or none with --no-finish), Ctrl-C during it, --apply wins.
+
+Real torch and a real multi-epoch loop over a DataLoader whose items cost real time. The
+probe's time share is shortened so the cells stay a few seconds long; everything else is
+the engine as users get it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import threading
+from typing import Any
+
+import pytest
+import torch
+from workloads import namespace_with
+
+from torchtune_magic import perfcheck, session
+from torchtune_magic.report import Report
+
+LONG_SETUP = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from slow_data import SlowDataset
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+loader = DataLoader(SlowDataset(96, delay_s=0.003), batch_size=8, shuffle=True)
+epochs = 6
+steplog = []
+"""
+
+LONG_CELL = textwrap.dedent(
+    """
+    torch.autograd.set_detect_anomaly(True)
+    for epoch in range(epochs):
+        for i, (x, y) in enumerate(loader):
+            steplog.append(epoch * 1000 + i)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+        sched.step()
+    torch.autograd.set_detect_anomaly(False)
+    last = loss.item()
+    """
+)
+STEPS = 6 * 12  # epochs x batches of 8 from 96 items
+
+
+@pytest.fixture(autouse=True)
+def short_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe stops after half a second (users get 3–8 s), so a 2 s cell is "long"."""
+    monkeypatch.setattr(session, "PROBE_SECONDS", (0.5, 0.5))
+    yield
+    torch.autograd.set_detect_anomaly(False)
+
+
+def _state(ns: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """What the cell changes, flattened for comparison."""
+    out = {f"param.{k}": v.detach().clone() for k, v in ns["model"].state_dict().items()}
+    for i, p in enumerate(ns["model"].parameters()):
+        out[f"grad.{i}"] = p.grad.clone() if p.grad is not None else torch.empty(0)
+    for i, state in enumerate(ns["opt"].state.values()):
+        for key, value in state.items():
+            out[f"opt.{i}.{key}"] = torch.as_tensor(value).clone()
+    out["lr"] = torch.tensor(ns["opt"].param_groups[0]["lr"])
+    out["sched.last_epoch"] = torch.tensor(ns["sched"].last_epoch)
+    out["rng"] = torch.get_rng_state()
+    if "last" in ns:
+        out["last"] = torch.tensor(ns["last"])
+    return out
+
+
+def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), key
+
+
+def _runs(steplog: list[int]) -> list[list[int]]:
+    """The step log cut into runs: every run of the cell starts again at step 0."""
+    runs: list[list[int]] = []
+    for entry in steplog:
+        if entry == 0:
+            runs.append([])
+        runs[-1].append(entry)
+    return runs
+
+
+def test_every_measuring_run_stops_after_the_same_step_and_compares_there() -> None:
+    ns = namespace_with(LONG_SETUP)
+    report = perfcheck(LONG_CELL, ns, budget=6, skip="dataloader-workers")
+
+    sampled = report.sampling
+    assert sampled is not None and not sampled.probe_complete
+    assert sampled.unit == "batch" and sampled.steps_per_run == STEPS
+    assert "6 epochs x 12 batches" in sampled.steps_detail
+    stop, warmup = sampled.stop_step, sampled.warmup_steps
+    assert warmup < stop < STEPS
+
+    runs = [len(run) for run in _runs(ns["steplog"])]
+    probe, calibration, *measuring, complete = runs
+    assert probe == sampled.probe_steps < STEPS  # the probe stopped itself early
+    assert complete == STEPS  # the cell's one complete run, last
+    assert calibration >= warmup + 1  # the baseline's first run, which sets the stop step
+    short = warmup + 1  # the profiled runs (memory, FLOPs) stop right after the warm-up
+    assert set(measuring) <= {stop, short}, runs
+    configurations = 1 + len(report.variants)  # baseline, each fix, (all together)
+    assert measuring.count(stop) >= 2 * configurations  # warm-up + timed rounds, every one
+
+    anomaly = report.variant_for(["debug-anomaly"])
+    assert anomaly is not None and anomaly.speedup is not None
+    assert anomaly.numerics.verdict == "identical"  # compared at the stop step
+    assert report.baseline.median_s is not None and anomaly.median_s is not None
+    assert report.baseline.projected_cell_s is not None and anomaly.projected_cell_s is not None
+    # per step: the projection is the steps times the per-step time, plus the first steps
+    assert report.baseline.projected_cell_s > (STEPS - warmup) * report.baseline.median_s
+    assert report.cell_run is not None and report.cell_run.status == "complete"
+    assert report.cell_run.steps == STEPS
+
+
+def test_the_kernel_ends_as_after_one_complete_plain_run() -> None:
+    plain = namespace_with(LONG_SETUP)
+    exec(LONG_CELL, plain)
+    expected = _state(plain)
+
+    ns = namespace_with(LONG_SETUP)
+    model, opt, loader = ns["model"], ns["opt"], ns["loader"]
+    report = perfcheck(LONG_CELL, ns, budget=5)
+
+    assert report.sampling is not None and report.cell_run.status == "complete"
+    assert ns["model"] is model and ns["opt"] is opt and ns["loader"] is loader
+    _assert_same(_state(ns), expected)
+    assert not torch.is_anomaly_enabled()
+
+
+def test_no_finish_leaves_the_kernel_as_before_the_cell() -> None:
+    ns = namespace_with(LONG_SETUP)
+    before = _state(ns)
+    report = perfcheck(LONG_CELL, ns, budget=4, no_finish=True)
+
+    assert report.sampling is not None
+    assert report.cell_run is not None and report.cell_run.status == "skipped"
+    _assert_same(_state(ns), before)
+    assert "last" not in ns and "loss" not in ns  # names the cell binds are not there
+    assert not torch.is_anomaly_enabled()
+
+
+def test_apply_wins_runs_the_complete_cell_with_the_measured_wins() -> None:
+    plain = namespace_with(LONG_SETUP)
+    exec(LONG_CELL, plain)
+    expected = _state(plain)
+
+    ns = namespace_with(LONG_SETUP)
+    loader = ns["loader"]
+    report = perfcheck(LONG_CELL, ns, budget=6, apply="wins")
+
+    workers = report.variant_for(["dataloader-workers"])
+    assert workers is not None and workers.speedup > 1.5  # 3 ms items: a several-x win
+    assert "dataloader-workers" in report.cell_run.fixes and report.cell_run.status == "complete"
+    assert "dataloader-workers" in report.applied
+    assert ns["loader"] is not loader and ns["loader"].num_workers > 0
+    # the same data in the same order: the complete run with workers trains the same model
+    _assert_same(_state(ns), expected)
+
+
+def _interrupt_when_finishing(reports: list[Report]) -> Any:
+    """An on_report callback recording each report that sends this process a real SIGINT
+    (Ctrl-C) shortly after the cell's complete run starts."""
+
+    def on_report(report: Report) -> None:
+        reports.append(report)
+        if report.phase == "finishing":
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    return on_report
+
+
+def test_ctrl_c_during_the_complete_run_leaves_no_fix_applied() -> None:
+    ns = namespace_with(LONG_SETUP)
+    loader = ns["loader"]
+    set_detect_anomaly = torch.autograd.set_detect_anomaly
+    reports: list[Report] = []
+    with pytest.raises(KeyboardInterrupt):
+        perfcheck(LONG_CELL, ns, budget=4, on_report=_interrupt_when_finishing(reports))
+
+    last = reports[-1]
+    assert last.cell_run is not None and last.cell_run.status == "interrupted"
+    assert 0 < last.cell_run.steps < STEPS
+    assert last.findings and last.variant_for(["dataloader-workers"]).speedup is not None
+    assert ns["loader"] is loader  # nothing of perfcheck's left applied
+    assert torch.autograd.set_detect_anomaly is set_detect_anomaly
+    # as an interrupted plain cell: the loop had started, so its own state is mid-way
+    assert 0 < len(_runs(ns["steplog"])[-1]) < STEPS
+
+
+def test_ctrl_c_during_the_complete_run_keeps_the_fixes_asked_for() -> None:
+    ns = namespace_with(LONG_SETUP)
+    loader = ns["loader"]
+    reports: list[Report] = []
+    with pytest.raises(KeyboardInterrupt):
+        perfcheck(
+            LONG_CELL,
+            ns,
+            budget=4,
+            apply="dataloader-workers",
+            on_report=_interrupt_when_finishing(reports),
+        )
+    assert reports[-1].cell_run.status == "interrupted"
+    assert reports[-1].cell_run.fixes == ["dataloader-workers"]
+    assert ns["loader"] is not loader and ns["loader"].num_workers > 0  # asked for: kept
+
+
+def test_findings_are_published_before_any_number_then_numbers_stream_in() -> None:
+    ns = namespace_with(LONG_SETUP)
+    reports: list[Report] = []
+    perfcheck(LONG_CELL, ns, budget=5, on_report=reports.append)
+
+    first = reports[0]
+    assert first.phase == "measuring" and first.findings
+    assert {f.id for f in first.findings} >= {"debug-anomaly", "dataloader-workers"}
+    assert first.baseline.median_s is None and not first.variants
+    numbered = [r for r in reports if any(v.speedup for v in r.variants)]
+    assert numbered and numbered[0].phase == "measuring"  # numbers before the end
+    phases = [r.phase for r in reports]
+    assert phases.index("finishing") > reports.index(numbered[0])
+    assert phases[-1] == "done" and reports[-1].cell_run.status == "complete"
