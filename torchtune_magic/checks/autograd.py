@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import types
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit
-from ..engine.fixes import Fix, Patcher
+from ..engine import codeedit, discovery
+from ..engine.fixes import Fix, FixError, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
+from .userfuncs import function_locations
 
 if TYPE_CHECKING:
+    from ..engine.graphs import GraphSite
     from ..engine.probe import Observation
 
 
@@ -37,6 +41,12 @@ class NoGradFix(Fix):
         return torch.no_grad()
 
 
+INFERENCE_CAVEAT = (
+    "torch.inference_mode() is faster still, but tensors made under it can never enter "
+    "autograd later (e.g. to train on them)"
+)
+
+
 class NoGradCheck(Check):
     id = "no-grad"
     title = "Inference runs with autograd recording"
@@ -44,7 +54,11 @@ class NoGradCheck(Check):
 
     def detect(self, obs: Observation) -> list[Detection]:
         if obs.backward_calls:
-            return []  # a training cell: autograd is needed
+            return _evaluation_in_training(self, obs)
+        return self._inference_cell(obs)
+
+    def _inference_cell(self, obs: Observation) -> list[Detection]:
+        """No backward at all: the whole cell runs under no_grad."""
         recording = [
             use
             for use in obs.modules.values()
@@ -77,10 +91,7 @@ class NoGradCheck(Check):
                     where=where,
                     fixable=True,
                     line=lines[0] if lines else None,
-                    caveat=(
-                        "torch.inference_mode() is faster still, but tensors made under it can "
-                        "never enter autograd later (e.g. to train on them)"
-                    ),
+                    caveat=INFERENCE_CAVEAT,
                     code_change=CodeChange(
                         codeedit.unified_diff(source, fixed),
                         ["or decorate the evaluation function with @torch.no_grad()"],
@@ -90,6 +101,318 @@ class NoGradCheck(Check):
                 fixed,
             )
         ]
+
+
+# no_grad for the evaluation inside a training cell ----------------------------------------
+
+GRAD_NAMES = frozenset({"backward", "grad"})  # code calling these needs autograd: never wrap
+
+
+@dataclass
+class _EvalTarget:
+    """One place where evaluation forwards are put under no_grad: a user function rebound
+    where it lives, or an edit of the cell (a def decorated, a lambda or statements wrapped)."""
+
+    label: str
+    function: types.FunctionType | None = None
+    locations: list[discovery.Location] = field(default_factory=list)
+    node: ast.AST | None = None  # the def, lambda or statement edited in the cell
+    sites: list[GraphSite] = field(default_factory=list)
+    forwards: int = 0  # evaluation forwards it covers
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        if self.node is None:
+            return None
+        first = min([self.node.lineno, *(d.lineno for d in _decorators(self.node))])
+        return first, self.node.end_lineno or self.node.lineno
+
+
+def _decorators(node: ast.AST) -> list[ast.expr]:
+    return list(getattr(node, "decorator_list", []))
+
+
+def _needs_grad(node: ast.AST) -> bool:
+    """Whether cell code calls backward / autograd.grad itself."""
+    return any(
+        isinstance(n, ast.Call) and codeedit.dotted_name(n.func).rsplit(".", 1)[-1] in GRAD_NAMES
+        for n in ast.walk(node)
+    )
+
+
+class _Planner:
+    """Chooses, for each evaluation site, the outermost place that wraps only evaluation:
+    a user function on its stack that never issued a trained forward (rebound in the
+    namespace, or edited where the cell defines it), else the cell statement it ran at,
+    grown to the largest enclosing statement free of training."""
+
+    def __init__(self, obs: Observation, trained: list[GraphSite]):
+        self.obs = obs
+        self.trained_codes = {code for site in trained for code in site.functions}
+        self.trained_lines = {s.line for s in trained if s.line is not None} | obs.backward_lines
+        self.can_edit = obs.workload.namespace.get("torch") is torch  # edits say torch.no_grad
+        self.parents = {
+            child: parent for parent in ast.walk(obs.tree) for child in ast.iter_child_nodes(parent)
+        }
+        self.targets: dict[Any, _EvalTarget] = {}
+        self.unplaced = 0  # evaluation forwards no target can cover
+
+    def place(self, site: GraphSite, forwards: int) -> None:
+        target = None
+        for code in site.functions:
+            if code not in self.trained_codes and not GRAD_NAMES & set(code.co_names):
+                target = self._function(code)
+                if target is not None:
+                    break
+        if target is None and site.line is not None:
+            target = self._statement(site.line)
+        if target is None:
+            self.unplaced += forwards
+        else:
+            target.sites.append(site)
+            target.forwards += forwards
+
+    def _function(self, code: types.CodeType) -> _EvalTarget | None:
+        if code in self.targets:
+            return self.targets[code]
+        workload = self.obs.workload
+        target = None
+        if code.co_filename == workload.filename:
+            node = self._cell_function(code)
+            if node is not None and self.can_edit:
+                kind = "the lambda" if isinstance(node, ast.Lambda) else f"{code.co_name}()"
+                target = _EvalTarget(f"{kind} at cell line {node.lineno}", node=node)
+        else:
+            function, locations, _ = function_locations(
+                workload.namespace, code, module_methods=True
+            )
+            locations = [loc for loc in locations if loc.rebindable]
+            if function is not None and locations:
+                target = _EvalTarget(str(locations[0]), function, locations)
+        if target is not None:
+            self.targets[code] = target
+        return target
+
+    def _cell_function(self, code: types.CodeType) -> ast.AST | None:
+        """The def or lambda of the cell that compiled to `code` (None if ambiguous)."""
+        matches = []
+        for node in ast.walk(self.obs.tree):
+            if isinstance(node, ast.Lambda) and code.co_name == "<lambda>":
+                if node.lineno == code.co_firstlineno:
+                    matches.append(node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.name == code.co_name and first == code.co_firstlineno:
+                    matches.append(node)
+        return matches[0] if len(matches) == 1 else None
+
+    def _statement(self, line: int) -> _EvalTarget | None:
+        if not self.can_edit or line in self.trained_lines:
+            return None
+        node = self._innermost_statement(line)
+        if node is None or _needs_grad(node):
+            return None
+        while True:
+            parent = self.parents.get(node)
+            if not isinstance(parent, ast.stmt) or isinstance(
+                parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            ):
+                break
+            first, last = parent.lineno, parent.end_lineno or parent.lineno
+            if any(first <= t <= last for t in self.trained_lines) or _needs_grad(parent):
+                break
+            node = parent
+        key = ("statement", node.lineno)
+        if key not in self.targets:
+            last = node.end_lineno or node.lineno
+            where = f"line {node.lineno}" if last == node.lineno else f"lines {node.lineno}-{last}"
+            self.targets[key] = _EvalTarget(f"cell {where}", node=node)
+        return self.targets[key]
+
+    def _innermost_statement(self, line: int) -> ast.stmt | None:
+        around = [
+            node
+            for node in ast.walk(self.obs.tree)
+            if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or 0)
+        ]
+        return max(reversed(around), key=lambda node: node.lineno, default=None)  # deepest
+
+    def chosen(self) -> list[_EvalTarget]:
+        """Targets in cell order; an edit inside another edit merges into the outer one."""
+        targets = [t for t in self.targets.values() if t.sites]
+        kept: list[_EvalTarget] = []
+        for target in sorted(targets, key=_widest_first):
+            outer = next((k for k in kept if _contains(k.span, target.span)), None)
+            if outer is None:
+                kept.append(target)
+            else:
+                outer.sites.extend(target.sites)
+                outer.forwards += target.forwards
+        return sorted(kept, key=lambda t: t.span[0] if t.span else 0)
+
+
+def _widest_first(target: _EvalTarget) -> tuple[int, int]:
+    span = target.span
+    return (0, 0) if span is None else (span[0], -span[1])
+
+
+def _contains(outer: tuple[int, int] | None, inner: tuple[int, int] | None) -> bool:
+    return outer is not None and inner is not None and outer[0] <= inner[0] <= inner[1] <= outer[1]
+
+
+def _edit_cell(source: str, targets: list[_EvalTarget]) -> str:
+    """Decorate defs, wrap lambdas, wrap statements: bottom-up, so positions stay valid."""
+    for target in sorted(
+        (t for t in targets if t.node is not None), key=lambda t: t.span, reverse=True
+    ):
+        node = target.node
+        if isinstance(node, ast.Lambda):
+            text = ast.get_source_segment(source, node) or ast.unparse(node)
+            source = codeedit.replace_node(source, node, f"torch.no_grad()({text})")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first, _ = target.span
+            lines = source.splitlines(keepends=True)
+            indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
+            lines.insert(first - 1, f"{indent}@torch.no_grad()\n")
+            source = "".join(lines)
+        else:
+            first, last = target.span
+            source = codeedit.wrap_lines(source, first, last, "with torch.no_grad()")
+    return source
+
+
+class EvaluationNoGradFix(Fix):
+    """The evaluation runs under no_grad, the training as before: evaluation functions are
+    rebound where they live to `torch.no_grad()(function)` (after checking each place still
+    holds the function the probe saw; undo puts the very same object back, unless the user
+    has rebound the name since), and the cell's own evaluation code is edited."""
+
+    check_id = "no-grad"
+
+    def __init__(self, functions: list[_EvalTarget], source: str, fixed: str):
+        super().__init__()
+        self.functions = functions
+        self.source = source
+        self.fixed = fixed
+        self._wrapped: dict[int, Any] = {}
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        for target in self.functions:
+            original = target.function
+            wrapped = self._wrapped.get(id(original))
+            if wrapped is None:
+                wrapped = self._wrapped[id(original)] = torch.no_grad()(original)
+            for location in target.locations:
+                try:
+                    current = location.get(namespace)
+                except (KeyError, AttributeError, IndexError, ValueError):
+                    current = None
+                if current is not original:
+                    raise FixError(
+                        self.check_id,
+                        f"{location} no longer holds the function the probe saw "
+                        "(redefined or rebound since): re-run %%perfcheck",
+                    )
+                patcher.call(
+                    lambda loc=location, new=wrapped: loc.set(namespace, new),
+                    lambda loc=location, new=wrapped, old=original: _put_back(
+                        namespace, loc, new, old
+                    ),
+                )
+
+    def edit_source(self, source: str) -> str:
+        if source == self.source:
+            return self.fixed
+        return codeedit.combine(self.source, [source, self.fixed])  # after others' edits
+
+
+def _put_back(
+    namespace: dict[str, Any], location: discovery.Location, ours: Any, original: Any
+) -> None:
+    """Undo one rebinding, unless the user has bound something new there meanwhile."""
+    with contextlib.suppress(KeyError, AttributeError, IndexError, ValueError):
+        if location.get(namespace) is ours:
+            location.set(namespace, original)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**17 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _evaluation_in_training(check: NoGradCheck, obs: Observation) -> list[Detection]:
+    """Forwards whose graph no backward reached, in a cell that also trains."""
+
+    def unused(site: GraphSite) -> int:
+        # a probe stopped early may have cut a step between its forward and its backward
+        return site.unused - (site.left_alive if obs.stopped_early else 0)
+
+    sites = list(obs.graph_sites.values())
+    evaluation = [s for s in sites if not s.backpropagated and unused(s) > 0]
+    if not evaluation:
+        return []
+    trained = [s for s in sites if s.backpropagated]
+    planner = _Planner(obs, trained)
+    for site in evaluation:
+        planner.place(site, unused(site))
+    targets = planner.chosen()
+    count = sum(unused(s) for s in evaluation)
+    names = ", ".join(sorted({obs.module_path(s.module) for s in evaluation}))
+    held = max(s.saved_bytes or 0 for s in evaluation)
+    evidence = (
+        f"{count} forward pass{'es' if count > 1 else ''} of {names} built an autograd graph "
+        f"that no backward pass reached, while {sum(s.backpropagated for s in trained)} "
+        "other forwards in the cell were trained through"
+    )
+    if held:
+        evidence += f"; the largest held {_mib(held)} of saved activations"
+    places = [_where(t) for t in targets]
+    if planner.unplaced:
+        places.append(f"{planner.unplaced} in code that also trains, left as it is")
+    evidence += "; they ran in " + "; ".join(places)
+    source = obs.workload.source
+    fixed = _edit_cell(source, targets)
+    functions = [t for t in targets if t.function is not None]
+    lines = sorted({s.line for s in evaluation if s.line is not None})
+    where = "; ".join(_where(t) for t in targets) or f"{names}, cell {_lines_text(lines)}"
+    return [
+        Detection(
+            check.finding(
+                evidence=evidence,
+                where=where,
+                fixable=bool(targets),
+                line=lines[0] if lines else None,
+                caveat=(
+                    "only the evaluation is wrapped: forwards a backward reached run as "
+                    "before; " + INFERENCE_CAVEAT
+                ),
+                code_change=CodeChange(
+                    codeedit.unified_diff(source, fixed), [_decorate_advice(t) for t in functions]
+                ),
+            ),
+            EvaluationNoGradFix(functions, source, fixed) if targets else None,
+            fixed if fixed != source else None,
+        )
+    ]
+
+
+def _where(target: _EvalTarget) -> str:
+    lines = sorted({s.line for s in target.sites if s.line is not None})
+    text = target.label
+    if isinstance(target.node, ast.stmt) and not isinstance(target.node, ast.FunctionDef):
+        lines = []  # the label already is the cell lines
+    if lines:
+        text += f", called at cell {_lines_text(lines)}"
+    return f"{text} ({target.forwards} forward{'s' if target.forwards > 1 else ''})"
+
+
+def _decorate_advice(target: _EvalTarget) -> str:
+    function = target.function
+    assert function is not None
+    if function.__name__ == "<lambda>":
+        return f"where `{target.label}` is defined: {target.label} = torch.no_grad()(lambda ...)"
+    return (
+        f"decorate `def {function.__qualname__}` (defined in an earlier cell) with @torch.no_grad()"
+    )
 
 
 # grads set to None --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from ..engine import codeedit, discovery
 from ..engine.fixes import Fix, FixError, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
+from .userfuncs import function_locations
 
 if TYPE_CHECKING:
     from ..engine.probe import Observation, OpEvent, Scope
@@ -109,54 +110,6 @@ class Target:
     ops: int = 0
 
 
-def _function_locations(
-    namespace: dict[str, Any], code: types.CodeType
-) -> tuple[types.FunctionType | None, list[discovery.Location], bool]:
-    """Functions with this code reachable from the namespace: by name, as class attributes,
-    in closure cells (factories) and on user objects. The bool says a location is a method of
-    an nn.Module subclass (then the module, not the method, is compiled)."""
-    Step, Location = discovery.Step, discovery.Location
-    hits: list[tuple[types.FunctionType, Location]] = []
-    on_module = False
-    seen: set[int] = set()
-    frontier: list[tuple[tuple[discovery.Step, ...], Any]] = [
-        ((Step("name", k),), v) for k, v in namespace.items() if not k.startswith("_")
-    ]
-    for _depth in range(3):
-        following = []
-        for path, value in frontier:
-            if id(value) in seen or isinstance(value, (types.ModuleType, torch.Tensor)):
-                continue
-            seen.add(id(value))
-            if isinstance(value, types.FunctionType):
-                if value.__code__ is code:
-                    hits.append((value, Location(path)))
-                for index, cell in enumerate(value.__closure__ or ()):
-                    try:
-                        following.append(((*path, Step("cell", index)), cell.cell_contents))
-                    except ValueError:  # an empty cell
-                        continue
-            elif isinstance(value, type):
-                if value.__module__.split(".")[0] == "torch":
-                    continue
-                for key, item in vars(value).items():
-                    if isinstance(item, types.FunctionType) and item.__code__ is code:
-                        if issubclass(value, torch.nn.Module):
-                            on_module = True
-                        else:
-                            hits.append((item, Location((*path, Step("attr", key)))))
-            elif hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module):
-                if type(value).__module__.split(".")[0] in ("torch", "IPython", "ipykernel"):
-                    continue
-                for key, item in list(vars(value).items())[:256]:
-                    following.append(((*path, Step("attr", key)), item))
-        frontier = following
-    functions = {id(f): f for f, _ in hits}
-    if len(functions) != 1:  # several closures from one factory: compile each? ambiguous
-        return None, [], on_module
-    return hits[0][0], [loc for _, loc in hits], on_module
-
-
 def _cell_assignment(tree: ast.Module, name: str) -> ast.stmt | None:
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
@@ -194,7 +147,7 @@ class _Resolver:
                 if isinstance(node, ast.FunctionDef) and node.lineno == code.co_firstlineno:
                     return Target(node.name, cell_def=node)
             return None
-        function, locations, on_module = _function_locations(workload.namespace, code)
+        function, locations, on_module = function_locations(workload.namespace, code)
         if function is None or on_module:
             return None
         locations = [loc for loc in locations if loc.rebindable]

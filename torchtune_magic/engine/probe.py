@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import discovery, memory
+from . import discovery, graphs, memory
 from .fixes import Patcher
 from .steps import StepLimitReached
 from .workload import Workload, synchronize
@@ -182,6 +182,8 @@ class Observation:
     # candidates for the cell's step, by (unit, id of the object)
     step_traces: dict[tuple[str, int], StepTrace] = field(default_factory=dict)
     stopped_early: bool = False  # the probe stopped itself at a step boundary (a long cell)
+    # top-level forwards that built a graph, by (module, cell line, user functions issuing them)
+    graph_sites: dict[tuple[Any, ...], graphs.GraphSite] = field(default_factory=dict)
 
     def leading_step(self) -> StepTrace | None:
         """The cell's step: batches of the loader that gave the most, else the optimizer
@@ -239,6 +241,7 @@ class _Recorder:
         self.spans: list[tuple[str, Any, int, int]] = []
         self.started = time.perf_counter()
         self.stop_after_s: float | None = None  # stop at a step boundary after this long
+        self.roots = graphs.RootWatcher(obs.workload, obs.graph_sites)
 
     # steps --------------------------------------------------------------------------------
     def step_boundary(self, unit: str, obj: Any, ended: int) -> None:
@@ -321,6 +324,7 @@ class _Recorder:
             self.spans.append(("module", module, starts.pop(), self.mark()))
         if isinstance(output, torch.Tensor):
             self.producers[id(output)] = (weakref.ref(output), id(module))
+        self.roots.forward_done(module, args, output, self.depth)
 
     def function_event(self, frame: Any, event: str, arg: Any) -> None:
         """sys.setprofile callback: spans of Python functions defined in the user's namespace
@@ -594,6 +598,7 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
     finally:
         for handle in handles:
             handle.remove()
+        recorder.roots.release()
         patcher.undo()
 
 
