@@ -9,12 +9,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..engine import codeedit
-from ..engine.fixes import Fix, Patcher, patched
+from ..engine.fixes import Fix, FixError, Patcher, patched
+from ..engine.memory import _native_stderr_silenced
 from ..report import CodeChange
 from .base import Check, Detection
 
@@ -231,6 +232,94 @@ class ProfilersOffFix(Fix):
         return patched(build)
 
 
+def _recording(profiler: Any) -> bool:
+    """Whether a torch.profiler.profile / torch.autograd.profiler.profile is mid-recording."""
+    if isinstance(profiler, torch.profiler.profiler._KinetoProfile):
+        profiler = profiler.profiler
+    return (
+        isinstance(profiler, torch.autograd.profiler.profile)
+        and profiler.entered
+        and profiler.profiling_start_time_ns > profiler.profiling_end_time_ns
+    )
+
+
+def _user_profilers(namespace: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Recording profilers the user keeps in the namespace (`prof = profile(); prof.start()`)."""
+    return [
+        (name, value)
+        for name, value in namespace.items()
+        if not name.startswith("_")
+        and isinstance(
+            value, (torch.profiler.profiler._KinetoProfile, torch.autograd.profiler.profile)
+        )
+        and _recording(value)
+    ]
+
+
+def _kineto_on() -> bool:
+    """A Kineto profiler (torch.profiler / torch.autograd.profiler) is on, NVTX/ITT aside."""
+    return bool(torch.autograd._profiler_enabled()) and (
+        torch._C._autograd._profiler_type() == torch._C._profiler.ActiveProfilerType.KINETO
+    )
+
+
+def _toggle(enable: bool, activities: set[Any]) -> None:
+    """torch's own pause/resume of a running profiler's collection (the C++ side prints a
+    warning on each toggle, which would land in the user's notebook)."""
+    with _native_stderr_silenced():
+        torch.autograd.profiler._toggle_collection_dynamic(enable, activities)
+
+
+class ProfilerPausedFix(Fix):
+    """A profiler started before the cell stops recording (torch's
+    `toggle_collection_dynamic`): around each measured run, and for as long as the fix stays
+    applied. Undo resumes recording into the same trace — unless that profiler has been
+    stopped meanwhile, when there is nothing to resume (and a newer one is left alone)."""
+
+    check_id = "debug-profiler"
+    paused: ClassVar[int] = 0  # profilers held paused by these fixes right now
+
+    def __init__(self, profiler: Any | None):
+        super().__init__()
+        self.profiler = profiler  # the user's object, when found in the namespace
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        if not _kineto_on() or (self.profiler is not None and not _recording(self.profiler)):
+            raise FixError(self.check_id, "the profiler started before this cell is stopped now")
+        session = self._session()
+        toggled = {torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA}
+        activities = set(getattr(session, "kineto_activities", ())) & toggled
+        activities = activities or {torch.profiler.ProfilerActivity.CPU}
+
+        def pause() -> None:
+            _toggle(False, activities)
+            ProfilerPausedFix.paused += 1
+
+        def resume() -> None:
+            ProfilerPausedFix.paused -= 1
+            if _kineto_on() and (session is None or _recording(session)):
+                _toggle(True, activities)
+
+        patcher.call(pause, resume)
+
+    def _session(self) -> Any | None:
+        """The autograd profiler object of this recording (a torch.profiler.profile makes a
+        new one per start, so identity tells this recording from a later one)."""
+        profiler = self.profiler
+        if isinstance(profiler, torch.profiler.profiler._KinetoProfile):
+            return profiler.profiler
+        return profiler
+
+
+PAUSE_CAVEAT = (
+    "measured with {name} not recording during this fix's runs and recording again after: "
+    "its trace has a gap there, and it holds the probe's and the baseline's runs of this cell. "
+    "Left on, the fix keeps {name} paused: it records nothing more, what it recorded stays in "
+    "it ({stop}, then export_chrome_trace(path) or key_averages() as usual), and turning the "
+    "fix off resumes the same recording{residual}"
+)
+
+
 class ProfilerCheck(Check):
     id = "debug-profiler"
     title = "A profiler is recording the work"
@@ -240,11 +329,22 @@ class ProfilerCheck(Check):
         entries = obs.profiler_entries
         if not entries and not obs.profiler_at_start and not obs.forward_under_profiler:
             return []
+        if not entries and ProfilerPausedFix.paused:
+            return []  # paused by our own fix, left on: it records nothing
         source = obs.workload.source
         fixed, lines = _strip_calls(source, obs.tree, PROFILER_CALLS)
         kinds = sorted({entry.kind for entry in entries})
+        found = _user_profilers(obs.workload.namespace) if obs.profiler_at_start else []
         if entries:
             evidence = f"{', '.join(kinds)} started {len(entries)} time(s) during the cell"
+        elif found:
+            name, profiler = found[0]
+            kind = (
+                "torch.profiler.profile"
+                if isinstance(profiler, torch.profiler.profiler._KinetoProfile)
+                else "torch.autograd.profiler.profile"
+            )
+            evidence = f"{kind} `{name}`, started before this cell, was recording it"
         else:
             evidence = "a profiler started before this cell was recording it"
         if obs.forward_under_profiler:
@@ -252,27 +352,59 @@ class ProfilerCheck(Check):
         entry_lines = sorted({e.line for e in entries if e.line is not None} | set(lines))
         elsewhere = []
         if obs.profiler_at_start:
-            elsewhere.append("stop the profiler started in an earlier cell (prof.stop())")
+            stop = f"{found[0][0]}.stop()" if found else "prof.stop()"
+            elsewhere.append(f"stop the profiler started in an earlier cell ({stop})")
         if lines:
             elsewhere.append(
                 "or keep it behind a flag: `with profile(...) if PROFILE else nullcontext():`"
             )
+        fix: Fix | None
+        caveat = "with the fix the cell's profiler results are empty" if entries else None
+        if not obs.profiler_at_start:
+            fix = ProfilersOffFix()
+        elif not entries and _kineto_on():
+            fix = ProfilerPausedFix(found[0][1] if len(found) == 1 else None)
+            caveat = _pause_caveat(found[0] if len(found) == 1 else None)
+        else:
+            fix = None  # NVTX / ITT ranges, or a profiler of the cell's own inside another
         return [
             Detection(
                 self.finding(
                     evidence=evidence,
-                    where=f"cell {_lines_text(entry_lines)}" if entry_lines else "before this cell",
-                    fixable=not obs.profiler_at_start,
+                    where=f"cell {_lines_text(entry_lines)}"
+                    if entry_lines
+                    else (f"`{found[0][0]}`, " if found else "") + "started before this cell",
+                    fixable=fix is not None,
                     line=entry_lines[0] if entry_lines else None,
-                    caveat=(
-                        "with the fix the cell's profiler results are empty" if entries else None
-                    ),
+                    caveat=caveat,
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
-                None if obs.profiler_at_start else ProfilersOffFix(),
+                fix,
                 fixed,
             )
         ]
+
+
+def _pause_caveat(found: tuple[str, Any] | None) -> str:
+    """The caveat of a pause, naming what torch's pause leaves running for this profiler."""
+    name = f"`{found[0]}`" if found else "the profiler"
+    stop = f"{found[0]}.stop()" if found else "stop it"
+    options = vars(found[1]) if found else {}  # both profiler classes keep their options
+    left = [
+        text
+        for option, text in (
+            ("profile_memory", "profile_memory's allocation events"),
+            ("with_stack", "with_stack's Python tracer"),
+        )
+        if options.get(option)
+    ]
+    residual = (
+        f". torch pauses op and device collection only: {' and '.join(left)} go on while "
+        "paused, so their cost stays in the measured figure"
+        if left
+        else ""
+    )
+    return PAUSE_CAVEAT.format(name=name, stop=stop, residual=residual)
 
 
 # gradcheck ----------------------------------------------------------------------------------
