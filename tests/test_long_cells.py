@@ -19,6 +19,7 @@ import torch
 from workloads import namespace_with
 
 from torchtune_magic import perfcheck, session
+from torchtune_magic.engine import steps
 from torchtune_magic.report import Report
 
 LONG_SETUP = """
@@ -109,7 +110,7 @@ def test_every_measuring_run_stops_after_the_same_step_and_compares_there() -> N
     assert probe == sampled.probe_steps < STEPS  # the probe stopped itself early
     assert complete == STEPS  # the cell's one complete run, last
     assert calibration >= warmup + 1  # the baseline's first run, which sets the stop step
-    short = warmup + 1  # the profiled runs (memory, FLOPs) stop right after the warm-up
+    short = min(stop, steps.PROFILED_STEPS)  # the profiled runs (memory, FLOPs) are short
     assert set(measuring) <= {stop, short}, runs
     configurations = 1 + len(report.variants)  # baseline, each fix, (all together)
     assert measuring.count(stop) >= 2 * configurations  # warm-up + timed rounds, every one
@@ -165,6 +166,9 @@ def test_apply_wins_runs_the_complete_cell_with_the_measured_wins() -> None:
     assert workers is not None and workers.speedup > 1.5  # 3 ms items: a several-x win
     assert "dataloader-workers" in report.cell_run.fixes and report.cell_run.status == "complete"
     assert "dataloader-workers" in report.applied
+    # wins change nothing the cell produces: a faster fix whose numerics moved is not one
+    for check_id in report.cell_run.fixes:
+        assert report.variant_for([check_id]).numerics.verdict == "identical", check_id
     assert ns["loader"] is not loader and ns["loader"].num_workers > 0
     # the same data in the same order: the complete run with workers trains the same model
     _assert_same(_state(ns), expected)

@@ -321,14 +321,15 @@ class Session:
 
     def wins(self, report: Report | None = None) -> list[str]:
         """Fixes whose own newest measurement was a clear win (faster beyond the no-change
-        band, without error)."""
+        band, without error) and left what the cell produced bit-identical: `--apply wins`
+        never changes results silently (amp, tf32 and the like are applied by name)."""
         report = report or self.report
         if report is None:
             return []
         found = []
         for detection in self.fixable:
             variant = report.variant_for([detection.finding.id])
-            if variant is not None and variant.is_win:
+            if variant is not None and variant.is_win and variant.numerics.verdict == "identical":
                 found.append(detection.finding.id)
         return found
 
@@ -473,9 +474,10 @@ class Session:
             )
         return _RunTime(seconds, times.lead_s, step_s)
 
-    def _sample_plan(self, configurations: int, budget_s: float) -> steps.SamplePlan | None:
+    def _sample_plan(self, configs: list[_Config], budget_s: float) -> steps.SamplePlan | None:
         """Whether to stop every run at a step, and where first (the baseline's first run
-        then calibrates the stop: `_calibrate`). Decided once per session."""
+        then calibrates the stop: `_calibrate`). Decided once per session, so a later
+        re-time compares like with like."""
         if self._plan_decided:
             return self.plan
         self._plan_decided = True
@@ -483,87 +485,177 @@ class Session:
         if trace is None:
             return None
         total = self.step_count.total if self.step_count else None
-        warmup = steps.warmup_for(total if total is not None else trace.count)
-        if total is not None and total < warmup + steps.MIN_TIMED_STEPS + 1:
+        depth = self._prefetch_depth()
+        warmup = steps.warmup_for(total if total is not None else trace.count, depth)
+        min_timed = max(steps.MIN_TIMED_STEPS, depth)
+        if total is not None and total < warmup + min_timed + 1:
             return None
         if not obs.stopped_early:
             plain = obs.wall_s / PROBE_SLOWDOWN
-            if not steps.worth_sampling(plain, configurations, budget_s):
+            if not steps.worth_sampling(plain, len(configs), budget_s):
                 return None
         step_s = trace.mean_step_s() or obs.wall_s
         lead_s = (trace.first_s or step_s) + (warmup - 1) * step_s
-        stop = steps.choose_stop(budget_s, configurations, lead_s, step_s, warmup, total)
-        self.plan = steps.SamplePlan(steps.source_of(obs, trace), warmup, stop)
+        stop = steps.choose_stop(budget_s, len(configs), lead_s, step_s, warmup, total, min_timed)
+        self.plan = steps.SamplePlan(steps.source_of(obs, trace), warmup, stop, min_timed)
         return self.plan
 
+    def _prefetch_depth(self) -> int:
+        """The deepest prefetch of a DataLoader with workers in play: the user's own (the
+        cell's step source) or one a fix builds."""
+        own = 0
+        trace = self.step_trace
+        if trace is not None and trace.unit == "batch":
+            own = steps.prefetch_depth(trace.obj.num_workers, trace.obj.prefetch_factor)
+        return max([own, *(d.fix.warmup_steps for d in self.fixable if d.fix is not None)])
+
     def _calibrate(self, first: _RunTime, configurations: int, budget_s: float) -> None:
-        """Set the stop step from the baseline's first uninstrumented run."""
+        """Set the stop step from the baseline's first uninstrumented run, so that the
+        timed rounds fit in `budget_s` once the profiled runs are paid for."""
         plan = self.plan
         self._plan_calibrated = True
         if plan is None or first.lead_s is None or first.step_s is None:
             return
         total = self.step_count.total if self.step_count else None
-        stop = steps.choose_stop(
-            budget_s, configurations, first.lead_s, first.step_s, plan.warmup, total
+        left = budget_s - steps.profiled_runs_s(
+            configurations, first.lead_s, first.step_s, plan.warmup
         )
-        self.plan = steps.SamplePlan(plan.source, plan.warmup, stop)
+        stop = steps.choose_stop(
+            left, configurations, first.lead_s, first.step_s, plan.warmup, total, plan.min_timed
+        )
+        self.plan = steps.SamplePlan(plan.source, plan.warmup, stop, plan.min_timed)
 
     def _measure_configs(
         self, configs: list[_Config], budget: tuple[float, float]
     ) -> tuple[list[Variant], Variant]:
         """`budget`: (seconds, the perf_counter time they are counted from)."""
+        if self._sample_plan(configs, budget[0]) is None:
+            return self._measure_whole(configs, budget)
+        return self._measure_sampled(configs, budget)
+
+    def _measure_whole(
+        self, configs: list[_Config], budget: tuple[float, float]
+    ) -> tuple[list[Variant], Variant]:
+        """Whole-cell runs: a warm-up and a checked (profiled, numerics) run per
+        configuration, then interleaved timed rounds."""
         seconds, counted_from = budget
         outputs: dict[str, numerics.Outputs] = {}
         results: dict[str, Variant] = {c.label: Variant(fixes=c.ids) for c in configs}
         firsts: dict[str, _RunTime] = {}
         runnable: list[_Config] = []
         watched = self._watched_outputs()
-        plan = self._sample_plan(len(configs), seconds)
         for config in configs:
-            variant = results[config.label]
-            try:
-                firsts[config.label] = self._one_run(config, stop=plan.stop if plan else None)
-                if plan is not None and config.label == BASELINE and not self._plan_calibrated:
-                    left = seconds - (time.perf_counter() - counted_from)
-                    self._calibrate(firsts[config.label], len(configs), left)
-                    plan = self.plan
-                variant.peak_memory_bytes = self._checked_run(config, outputs, watched)
+            with self._failures_noted(config, results[config.label]):
+                firsts[config.label] = self._one_run(config)
+                results[config.label].peak_memory_bytes = self._checked_run(
+                    config, outputs, watched
+                )
                 runnable.append(config)
-            except fixes.FixError as error:
-                variant.error = f"the fix could not be applied: {error.reason}"
-            except Exception as error:  # the cell failed under this fix
-                if config.label == BASELINE:
-                    raise
-                variant.error = f"the cell raised with this fix: {_error_text(error)}"
             self._report_progress(0.0, f"warmed up {config.label}")
             self._publish_partial(results, budget)
         self._count_flops(configs[0])
         left = max(0.0, seconds - (time.perf_counter() - counted_from))
-        leads: dict[str, list[float]] = {c.label: [] for c in runnable}
+        timed = timing.interleaved(
+            {c.label: functools.partial(lambda c: self._one_run(c).total_s, c) for c in runnable},
+            left,
+            self._report_progress,
+            min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
+            on_run=self._on_run(results, budget),
+            round_s=sum(firsts[c.label].total_s for c in runnable),
+        )
+        return self._conclude(configs, results, firsts, timed, {}, outputs, watched)
+
+    def _measure_sampled(
+        self, configs: list[_Config], budget: tuple[float, float]
+    ) -> tuple[list[Variant], Variant]:
+        """Runs stopped after step K: the baseline's first run sets K; each configuration's
+        first timed run is also its first run (its time to step W holds the one-time costs)
+        and captures what the cell produced by step K (numerics); the short profiled runs
+        for memory and FLOPs come after the timing, so they do not pay those costs first."""
+        seconds, counted_from = budget
+        outputs: dict[str, numerics.Outputs] = {}
+        results: dict[str, Variant] = {c.label: Variant(fixes=c.ids) for c in configs}
+        firsts: dict[str, _RunTime] = {}
+        leads: dict[str, list[float]] = {c.label: [] for c in configs}
+        watched = self._watched_outputs()
+        if not self._plan_calibrated:
+            firsts[BASELINE] = self._one_run(configs[0], stop=self._stop())
+            self._calibrate(
+                firsts[BASELINE], len(configs), seconds - (time.perf_counter() - counted_from)
+            )
 
         def timed_run(config: _Config) -> float:
             observe = None
-            if plan is not None and config.label not in outputs:  # numerics at step K
+            if config.label not in outputs:
                 observe = functools.partial(self._capture, outputs, config.label, watched)
-            run = self._one_run(config, observe, plan.stop if plan else None)
-            if plan is None or run.step_s is None:
-                return run.total_s
-            if run.lead_s is not None:
+            run = self._one_run(config, observe, self._stop())
+            if config.label not in firsts:
+                firsts[config.label] = run
+            elif run.lead_s is not None:
                 leads[config.label].append(run.lead_s)
-            return run.step_s
+            return run.step_s if run.step_s is not None else run.total_s
 
+        begun: dict[str, timing.Measurement] = {}
+        for config in configs:  # the first round, one by one: a fix that fails drops out
+            self._report_progress(0.0, f"round 1: {config.label}")
+            with self._failures_noted(config, results[config.label]):
+                measurement = begun[config.label] = timing.Measurement(config.label)
+                measurement.times.append(timed_run(config))
+                _fill(results[config.label], measurement)
+            self._publish_partial(results, budget)
+        runnable = [c for c in configs if c.label in begun]
+        left = seconds - (time.perf_counter() - counted_from)
+        first = firsts[BASELINE]
+        if first.lead_s is not None and first.step_s is not None and self.plan is not None:
+            left -= steps.profiled_runs_s(
+                len(configs), first.lead_s, first.step_s, self.plan.warmup
+            )
+        timed = timing.interleaved(
+            {c.label: functools.partial(timed_run, c) for c in runnable},
+            max(0.0, left),
+            self._report_progress,
+            min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
+            on_run=self._on_run(results, budget),
+            round_s=sum(firsts[c.label].total_s for c in runnable),
+            begun=begun,
+        )
+        for config in runnable:
+            self._report_progress(1.0, f"peak memory: {config.label}")
+            results[config.label].peak_memory_bytes = self._checked_run(config, outputs, watched)
+        self._count_flops(configs[0])
+        return self._conclude(configs, results, firsts, timed, leads, outputs, watched)
+
+    @contextmanager
+    def _failures_noted(self, config: _Config, variant: Variant) -> Iterator[None]:
+        """A fix that cannot be applied, or a cell that raises with it, is noted on its
+        variant and measuring goes on; the baseline raising is the cell's own error."""
+        try:
+            yield
+        except fixes.FixError as error:
+            variant.error = f"the fix could not be applied: {error.reason}"
+        except Exception as error:
+            if config.label == BASELINE:
+                raise
+            variant.error = f"the cell raised with this fix: {_error_text(error)}"
+
+    def _on_run(self, results: dict[str, Variant], budget: tuple[float, float]) -> timing.RunDone:
         def on_run(label: str, measurement: timing.Measurement) -> None:
             _fill(results[label], measurement)
             self._publish_partial(results, budget)
 
-        timed = timing.interleaved(
-            {c.label: functools.partial(timed_run, c) for c in runnable},
-            left,
-            self._report_progress,
-            min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
-            on_run=on_run,
-            round_s=sum(firsts[c.label].total_s for c in runnable),
-        )
+        return on_run
+
+    def _conclude(
+        self,
+        configs: list[_Config],
+        results: dict[str, Variant],
+        firsts: dict[str, _RunTime],
+        timed: dict[str, timing.Measurement],
+        leads: dict[str, list[float]],
+        outputs: dict[str, numerics.Outputs],
+        watched: tuple[set[str], dict],
+    ) -> tuple[list[Variant], Variant]:
+        """Statistics, one-time costs, projections, speedups, throughput and numerics."""
         for label, measurement in timed.items():
             _fill(results[label], measurement)
         self._set_one_time_costs(configs, results, firsts, timed, leads)
@@ -584,6 +676,9 @@ class Session:
                 variant.numerics.detail = "not compared: state restore is off"
         self._flag_nondeterminism(configs[0], results, outputs, watched)
         return [results[c.label] for c in configs[1:]], base
+
+    def _stop(self) -> int | None:
+        return self.plan.stop if self.plan is not None else None
 
     def _set_one_time_costs(
         self,
@@ -664,7 +759,7 @@ class Session:
         once per session; a cell the counter cannot run under is measured all the same."""
         if self._flops is not None or self._flops_detail is not None:
             return
-        stop = self._memory_stop()
+        stop = self._profiled_stop()
         try:
             count = utilisation.count(functools.partial(self._one_run, baseline, stop=stop))
         except Exception as error:
@@ -696,11 +791,11 @@ class Session:
             variant.utilisation = got.utilisation
             variant.peak_tflops = got.peak_tflops
 
-    def _memory_stop(self) -> int | None:
-        """Sampled: profiled runs (memory, FLOPs) stop soon after the warm-up steps."""
+    def _profiled_stop(self) -> int | None:
+        """Sampled: profiled runs (memory, FLOPs) stop after a couple of steps."""
         if self.plan is None:
             return None
-        return min(self.plan.stop, self.plan.warmup + steps.MEMORY_STEPS)
+        return min(self.plan.stop, steps.PROFILED_STEPS)
 
     def _checked_run(
         self, config: _Config, outputs: dict[str, numerics.Outputs], watched: tuple[set[str], dict]
@@ -708,7 +803,7 @@ class Session:
         """One untimed run that records peak memory and, from a restored start, outputs
         (sampled: memory only, over a short run; outputs come from a run to step K)."""
         obs = self._observed()
-        stop = self._memory_stop()
+        stop = self._profiled_stop()
         observe = None
         if stop is None:
             observe = functools.partial(self._capture, outputs, config.label, watched)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..engine import codeedit
+from ..engine import codeedit, steps
 from ..engine.fixes import Fix, Patcher
 from ..engine.state import _RNGState
 from ..report import CodeChange
@@ -469,6 +469,12 @@ class _LoaderFix(Fix):
 class WorkersFix(_LoaderFix):
     check_id = "dataloader-workers"
     one_time_cause = "worker start"
+
+    @property
+    def warmup_steps(self) -> int:
+        original = self.plan.original if self.plan else None
+        factor = original.prefetch_factor if original is not None else None
+        return steps.prefetch_depth(self.overrides["num_workers"], factor)
 
 
 class PinMemoryFix(_LoaderFix):

@@ -4,15 +4,25 @@ A fix changes the live kernel (rebinding a name, patching an attribute, a global
 and/or wraps each run of the cell in a context, and/or edits the cell's source. Every change
 goes through a `Patcher`, which remembers how to put it back, so undo is exact — object
 identity in the namespace included — and happens on toggle-off, on error and on Ctrl-C.
+
+The user keeps working while a report is open: they may rebind `loader` to a new DataLoader
+after the probe ran. A fix must never replace that newer object by a copy of the old one, and
+undo must never put the old one back over it. So a fix names the places it reads or writes
+(`Fix.seen`, `Patcher.rebind`): applying refuses when a place no longer holds what the probe
+saw there, and undo leaves a place the user has rebound since, with a note saying so.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from .discovery import Location
 
 _ABSENT = object()
+_LOOKUP_ERRORS = (KeyError, AttributeError, IndexError, ValueError, TypeError)
 
 
 class FixError(RuntimeError):
@@ -24,11 +34,63 @@ class FixError(RuntimeError):
         self.reason = reason
 
 
+class Rebound(Exception):
+    """A place a fix would change no longer holds the object the probe saw there."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def holds(namespace: dict[str, Any], location: Location, obj: Any) -> bool:
+    """Whether `location` still leads to `obj` itself (a missing path holds nothing)."""
+    try:
+        return location.get(namespace) is obj
+    except _LOOKUP_ERRORS:
+        return False
+
+
+def expect(namespace: dict[str, Any], location: Location, obj: Any) -> None:
+    """Raise `Rebound` unless `location` still holds `obj` (what the probe saw there)."""
+    if holds(namespace, location, obj):
+        return
+    try:
+        location.get(namespace)
+    except _LOOKUP_ERRORS:
+        raise Rebound(
+            f"`{location}` is gone since the probe ran: re-run %%perfcheck on the cell"
+        ) from None
+    raise Rebound(
+        f"`{location}` was rebound since the probe ran: re-run %%perfcheck on the cell to "
+        "check the new object"
+    )
+
+
+def left_note(label: str) -> str:
+    """What undo says when it leaves a place the user rebound while the fix was applied."""
+    return (
+        f"`{label}` was rebound while the fix was applied: your new object stays there "
+        "(the one from before the fix was not put back)"
+    )
+
+
+def put_back(namespace: dict[str, Any], location: Location, ours: Any, old: Any) -> str | None:
+    """Undo one rebinding: `old` goes back only where `ours` still is; else a note."""
+    if not holds(namespace, location, ours):
+        return left_note(str(location))
+    location.set(namespace, old)
+    return None
+
+
 class Patcher:
-    """Records changes to live objects and undoes them in reverse order."""
+    """Records changes to live objects and undoes them in reverse order.
+
+    `notes` collects what undo left as it found it because the user (or the cell) had
+    replaced the fix's object meanwhile: the caller reports them."""
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        self.notes: list[str] = []
 
     def setattr(self, obj: Any, name: str, value: Any) -> None:
         """Set `obj.name`; undo restores the old instance attribute or removes ours."""
@@ -53,14 +115,49 @@ class Patcher:
         self._undo.append(lambda: setattr(owner, name, old))
 
     def setitem(self, mapping: dict[Any, Any], key: Any, value: Any) -> None:
+        """Set `mapping[key]` (a namespace name); undo puts the old value back only while
+        ours is still there, so a name the cell or the user bound since is kept."""
         old = mapping.get(key, _ABSENT)
         mapping[key] = value
 
         def restore() -> None:
-            if old is _ABSENT:
-                mapping.pop(key, None)
+            if mapping.get(key, _ABSENT) is not value:
+                self.notes.append(left_note(str(key)))
+            elif old is _ABSENT:
+                del mapping[key]
             else:
                 mapping[key] = old
+
+        self._undo.append(restore)
+
+    def assign(self, obj: Any, name: str, value: Any, label: str) -> None:
+        """Set an attribute of a user object (`block.forward`) while a fix is applied; undo
+        puts the old value back only while ours is still there (`label` names the place in
+        the note otherwise). For torch's own attributes patched during a run, `setattr`."""
+        old = vars(obj).get(name, _ABSENT)
+        setattr(obj, name, value)
+
+        def restore() -> None:
+            if vars(obj).get(name, _ABSENT) is not value:
+                self.notes.append(left_note(label))
+            elif old is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+        self._undo.append(restore)
+
+    def rebind(self, namespace: dict[str, Any], location: Location, old: Any, new: Any) -> None:
+        """Put `new` where the namespace holds `old` (a name, `trainer.loader`, `models[0]`).
+        Raises `Rebound` when the place no longer holds `old`; undo puts `old` back only
+        where `new` still is, and notes a place the user has rebound since."""
+        expect(namespace, location, old)
+        location.set(namespace, new)
+
+        def restore() -> None:
+            note = put_back(namespace, location, new, old)
+            if note is not None:
+                self.notes.append(note)
 
         self._undo.append(restore)
 
@@ -106,10 +203,20 @@ class Fix:
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None
+        # Where the probe saw the objects this fix changes (the model holding a conv, the
+        # optimizer's names): applying refuses when one of these places holds another object.
+        self.seen: list[tuple[Location, Any]] = []
 
     @property
     def applied(self) -> bool:
         return self._patcher is not None
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps a run with the fix takes to reach its steady state (a loader with workers
+        hands out its prefetched batches in a burst first); sampled runs skip at least
+        this many before timing."""
+        return 0
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         """Change live objects through `patcher` (default: nothing)."""
@@ -122,22 +229,31 @@ class Fix:
         return source
 
     def apply(self, namespace: dict[str, Any]) -> None:
+        """Change the live objects; raises FixError (nothing left applied) when it cannot,
+        e.g. when a name it changes was rebound since the probe ran."""
         if self._patcher is not None:
             return
         patcher = Patcher()
         try:
+            for location, obj in self.seen:
+                expect(namespace, location, obj)
             self.patch(patcher, namespace)
         except BaseException as error:
             patcher.undo()
+            if isinstance(error, Rebound):
+                raise FixError(self.check_id, error.reason) from None
             if isinstance(error, Exception) and not isinstance(error, FixError):
                 raise FixError(self.check_id, f"{type(error).__name__}: {error}") from error
             raise
         self._patcher = patcher
 
-    def undo(self) -> None:
+    def undo(self) -> list[str]:
+        """Undo every change; returns notes on places left as the user rebound them."""
         patcher, self._patcher = self._patcher, None
-        if patcher is not None:
-            patcher.undo()
+        if patcher is None:
+            return []
+        patcher.undo()
+        return [f"{self.check_id}: {note}" for note in patcher.notes]
 
 
 @contextlib.contextmanager

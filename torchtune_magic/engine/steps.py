@@ -8,16 +8,22 @@ every configuration is timed over the same work and compared per step.
 
 How K, W and the threshold are chosen (from the measuring budget B and the number of
 configurations C, i.e. the baseline plus the fix sets):
-- A run is *sampled* when C configurations x (1 warm-up + TARGET_ROUNDS timed + 2 checking
-  runs) of the whole cell would not fit in B (`worth_sampling`); a cell the probe had to
-  stop early is always sampled. A cell with fewer than W + MIN_TIMED_STEPS + 1 steps never is.
-- W = 2 warm-up steps where the cell has room for them (1 otherwise): the first step pays
-  the iterator's and workers' start, compile and autotuning, the second catches a recompile;
-  neither is timed (their cost is reported apart as one-time cost, from the first run).
-- K is the largest stop step for which C x (1 + TARGET_ROUNDS) runs of K steps, plus C
-  short profiled runs for memory, fit in B, computed from the baseline's first uninstrumented
-  run (time to step W, then time per step): `choose_stop`. At least MIN_TIMED_STEPS are
-  timed per run, even when that overruns the budget (the report says so).
+- A run is *sampled* when C configurations x (1 warm-up + TARGET_ROUNDS timed + a profiled
+  checking run) of the whole cell would not fit in B (`worth_sampling`); a cell the probe
+  had to stop early is always sampled. A cell with fewer than W + MIN_TIMED_STEPS + 1 steps
+  never is.
+- W = 2 warm-up steps (1 where the cell has no room for two): the first step pays the
+  iterator's and workers' start, compile and autotuning, the second catches a recompile;
+  neither is timed (their cost is reported apart as one-time cost, from each configuration's
+  first run). A DataLoader with workers hands out its prefetched batches in a burst when an
+  epoch starts (measured here: batches 3-6 at 22-59 ms, batches 7-32 at 84-89 ms with 4
+  workers), so where a loader with workers is in play (the user's, or one a fix builds), W
+  and the timed steps are each at least its prefetch depth (workers x prefetch factor).
+- K is the largest stop step for which TARGET_ROUNDS rounds of C runs of K steps fit in
+  what B leaves after the baseline's first run (which sets K from its time to step W and
+  its time per step: `choose_stop`) and the short profiled runs for memory and FLOPs. At
+  least MIN_TIMED_STEPS (or the prefetch depth) are timed per run, even when that overruns
+  the budget.
 
 The stop is a private BaseException raised from the counting hook at the step boundary, so
 user code that catches `Exception` does not swallow it; the runner catches it.
@@ -47,7 +53,7 @@ WARMUP_STEPS = 2
 MIN_TIMED_STEPS = 3
 TARGET_ROUNDS = 3  # timed rounds a sampled measurement plans for
 PROFILED_RUN_COST = 2.0  # a run under the memory profiler costs about this many plain runs
-MEMORY_STEPS = 1  # steps after the warm-up that a profiled (memory) run takes
+PROFILED_STEPS = 2  # profiled runs (peak memory, FLOPs) stop after this many steps
 
 
 class StepLimitReached(BaseException):
@@ -345,29 +351,45 @@ def loop_total(
 
 @dataclass(frozen=True)
 class SamplePlan:
-    """Every measuring run stops after step `stop`, steps 1 … `warmup` untimed."""
+    """Every measuring run stops after step `stop`, steps 1 … `warmup` untimed, at least
+    `min_timed` steps timed."""
 
     source: StepSource
     warmup: int
     stop: int
+    min_timed: int = MIN_TIMED_STEPS
 
     @property
     def timed(self) -> int:
         return self.stop - self.warmup
 
 
-def warmup_for(total: int | None) -> int:
-    """W: two warm-up steps where the run has room for them and MIN_TIMED_STEPS after."""
+def prefetch_depth(workers: int, prefetch_factor: int | None) -> int:
+    """Batches a loader with `workers` has in flight when an epoch starts, and hands out in
+    a burst: workers x prefetch factor (torch's default factor is 2)."""
+    return workers * (prefetch_factor or 2) if workers else 0
+
+
+def warmup_for(total: int | None, prefetch_depth: int = 0) -> int:
+    """W: WARMUP_STEPS, or the prefetch depth of a loader with workers when deeper (1 where
+    the run has no room for two warm-up steps and MIN_TIMED_STEPS after them)."""
     if total is not None and total < WARMUP_STEPS + MIN_TIMED_STEPS + 1:
         return 1
-    return WARMUP_STEPS
+    return max(WARMUP_STEPS, prefetch_depth)
 
 
 def worth_sampling(run_s: float, configurations: int, budget_s: float) -> bool:
-    """Whether whole-cell runs (a warm-up, a checked run and TARGET_ROUNDS timed runs per
-    configuration, the checked one profiled) would overrun the budget."""
+    """Whether whole-cell runs (a warm-up, TARGET_ROUNDS timed and a profiled checking run
+    per configuration) would overrun the budget."""
     runs = configurations * (1 + TARGET_ROUNDS + PROFILED_RUN_COST)
     return runs * run_s > budget_s
+
+
+def profiled_runs_s(configurations: int, lead_s: float, step_s: float, warmup: int) -> float:
+    """What the profiled runs (memory for each configuration, FLOPs once) will take: each
+    stops after PROFILED_STEPS steps and runs PROFILED_RUN_COST times slower."""
+    setup_s = max(0.0, lead_s - warmup * step_s)
+    return (configurations + 1) * PROFILED_RUN_COST * (setup_s + PROFILED_STEPS * step_s)
 
 
 def choose_stop(
@@ -377,13 +399,13 @@ def choose_stop(
     step_s: float,
     warmup: int,
     total: int | None,
+    min_timed: int = MIN_TIMED_STEPS,
 ) -> int:
-    """K: the most steps per run for which every run of the measurement fits the budget
-    (see the module docstring), between W + MIN_TIMED_STEPS and the run's last step."""
-    memory_run = PROFILED_RUN_COST * (lead_s + MEMORY_STEPS * step_s)
-    per_run = budget_s / (configurations * (1 + TARGET_ROUNDS)) - memory_run / (1 + TARGET_ROUNDS)
-    timed = math.floor((per_run - lead_s) / step_s) if step_s > 0 else MIN_TIMED_STEPS
-    stop = warmup + max(MIN_TIMED_STEPS, timed)
+    """K: the most steps per run for which TARGET_ROUNDS rounds of every configuration fit
+    `budget_s` (what is left for timed runs), between W + `min_timed` and the last step."""
+    per_run = budget_s / (configurations * TARGET_ROUNDS)
+    timed = math.floor((per_run - lead_s) / step_s) if step_s > 0 else min_timed
+    stop = warmup + max(min_timed, timed)
     if total is not None:
         stop = min(stop, total - 1)
     return max(stop, warmup + 1)

@@ -84,21 +84,24 @@ def interleaved(
     min_rounds: int = MIN_ROUNDS,
     on_run: RunDone | None = None,
     round_s: float | None = None,
+    begun: dict[str, Measurement] | None = None,
 ) -> dict[str, Measurement]:
     """Time every runner round-robin until the spread settles or the budget is spent;
     `on_run` sees each measurement grow, so numbers can be shown as they come in, and
     `round_s` (a guess at one round's seconds) lets progress say "round 1 of n" from the start.
+    `begun` holds measurements with rounds already taken (one run each per round).
 
     At least two rounds always run, so a median exists even on a tiny budget.
     """
     labels = list(runners)
-    results = {label: Measurement(label) for label in labels}
+    results = {label: (begun or {}).get(label) or Measurement(label) for label in labels}
+    first_round = min((m.runs for m in results.values()), default=0)
     deadline = time.perf_counter() + budget_s
     started = time.perf_counter()
     expected = min_rounds
     if round_s:
-        expected = max(2, min(MAX_ROUNDS, int(budget_s / round_s)))
-    for round_index in range(MAX_ROUNDS):
+        expected = max(2, min(MAX_ROUNDS, first_round + int(budget_s / round_s)))
+    for round_index in range(first_round, MAX_ROUNDS):
         offset = round_index % len(labels)
         for position, label in enumerate(labels[offset:] + labels[:offset]):
             if progress is not None:
@@ -112,7 +115,7 @@ def interleaved(
                 on_run(label, results[label])
         done_rounds = round_index + 1
         now = time.perf_counter()
-        per_round = (now - started) / done_rounds
+        per_round = (now - started) / (done_rounds - first_round)
         left = int(max(0.0, deadline - now) / max(per_round, 1e-9))
         expected = max(2, min(MAX_ROUNDS, done_rounds + left))
         if done_rounds < 2:
