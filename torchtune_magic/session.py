@@ -146,7 +146,7 @@ class Session:
             self._back_to_start()
         for check_id in self._requested_fixes(report):
             try:
-                self.apply(check_id)
+                self._apply(check_id)
             except fixes.FixError as error:
                 self.warnings.append(f"--apply {check_id}: not applied: {error.reason}")
         self.finish()
@@ -301,19 +301,42 @@ class Session:
         raise KeyError(f"no live fix for {check_id!r} in this report")
 
     def apply(self, check_id: str) -> None:
-        """Apply a fix to the live objects (raises FixError with nothing left applied)."""
+        """Apply a fix to the live objects and publish the report with it applied. Raises
+        FixError with nothing left applied, e.g. when a name the fix changes was rebound
+        since the probe ran (the user's new object is never replaced)."""
+        self._apply(check_id)
+        self._publish_applied()
+
+    def undo(self, check_id: str) -> list[str]:
+        """Undo a fix and publish the report without it. Returns (and keeps as warnings)
+        notes on places the user rebound while it was applied: those keep the user's object."""
+        notes = self._undo(check_id)
+        self._publish_applied()
+        return notes
+
+    def revert_all(self) -> list[str]:
+        """Undo every applied fix (panel's Revert all, `%perfcheck revert`); notes as `undo`."""
+        notes = [note for check_id in reversed(self.applied_ids) for note in self._undo(check_id)]
+        self._publish_applied()
+        return notes
+
+    def _apply(self, check_id: str) -> None:
         fix = self.fix_for(check_id)
         fix.apply(self.workload.namespace)
         self._applied[check_id] = fix
 
-    def undo(self, check_id: str) -> None:
+    def _undo(self, check_id: str) -> list[str]:
         fix = self._applied.pop(check_id, None)
-        if fix is not None:
-            fix.undo()
+        notes = fix.undo() if fix is not None else []
+        for note in notes:
+            self._warn_once(note)
+        return notes
 
-    def revert_all(self) -> None:
-        for check_id in reversed(self.applied_ids):
-            self.undo(check_id)
+    def _publish_applied(self) -> None:
+        """The saved report follows the applied state: republish the current report (its
+        numbers as they stand) with `applied` as it is now."""
+        if self.report is not None:
+            self.publish(self._build_report(phase=self.report.phase))
 
     @property
     def fixable(self) -> list[Detection]:
@@ -404,13 +427,14 @@ class Session:
     @contextmanager
     def _fixes_lifted(self) -> Iterator[None]:
         lifted = self.applied_ids
-        self.revert_all()
+        for check_id in reversed(lifted):
+            self._undo(check_id)
         try:
             yield
         finally:
             for check_id in lifted:
                 try:
-                    self.apply(check_id)
+                    self._apply(check_id)
                 except fixes.FixError as error:
                     self.warnings.append(f"could not re-apply {check_id}: {error.reason}")
 
@@ -599,8 +623,8 @@ class Session:
         for config in configs:  # the first round, one by one: a fix that fails drops out
             self._report_progress(0.0, f"round 1: {config.label}")
             with self._failures_noted(config, results[config.label]):
-                measurement = begun[config.label] = timing.Measurement(config.label)
-                measurement.times.append(timed_run(config))
+                measurement = timing.Measurement(config.label, [timed_run(config)])
+                begun[config.label] = measurement
                 _fill(results[config.label], measurement)
             self._publish_partial(results, budget)
         runnable = [c for c in configs if c.label in begun]
