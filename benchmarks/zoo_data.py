@@ -25,3 +25,20 @@ class SlowFileDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(self.delay_s)
         return self.x[index], self.y[index]
+
+
+class SlowImageDataset(Dataset):
+    """Small labelled images read from a slow disk: each item blocks for `delay_s` first."""
+
+    def __init__(self, n: int = 512, size: int = 32, classes: int = 10, delay_s: float = 0.002):
+        generator = torch.Generator().manual_seed(0)
+        self.images = torch.randn(n, 3, size, size, generator=generator)
+        self.labels = torch.randint(0, classes, (n,), generator=generator)
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay_s)
+        return self.images[index], self.labels[index]
