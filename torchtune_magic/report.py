@@ -25,6 +25,7 @@ OPTIONAL_MEASUREMENT_FIELDS = (
     "measured_at",
     "baseline_median_s",
     "one_time_cause",
+    "judged_by",
 )
 THROUGHPUT_FIELDS = (
     "flops",
@@ -109,6 +110,7 @@ class Variant:
     one_time_s: float | None = None
     one_time_cause: str | None = None  # what the one-time cost pays for, e.g. "compile"
     break_even_runs: int | None = None
+    judged_by: str | None = None  # "memory": a memory fix under --memory (peak, then time)
     noisy: bool = False
     error: str | None = None
     flops: int | None = None  # the baseline's: the fixes keep the model's math
@@ -135,6 +137,17 @@ class Variant:
 class NotApplicable:
     id: str
     reason: str
+
+
+@dataclass
+class OutOfMemory:
+    """The cell ran out of memory in the probe: what failed, where, and how much."""
+
+    error: str
+    line: int | None  # the cell line that asked for the memory
+    requested_bytes: int | None  # what the failing allocation asked for
+    in_use_bytes: int | None  # memory in use when it failed
+    in_use_measure: str  # what in_use_bytes counts (RSS, CUDA tensor memory)
 
 
 @dataclass
@@ -189,6 +202,7 @@ class Report:
     phase: str = "done"  # one of PHASES
     sampling: Sampling | None = None  # set when runs were cut at a step
     cell_run: CellRun | None = None
+    oom: OutOfMemory | None = None  # the cell ran out of memory (then nothing was timed)
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -220,7 +234,7 @@ class Report:
             for key in (*THROUGHPUT_FIELDS, *OPTIONAL_MEASUREMENT_FIELDS):
                 if stats.get(key, 0) is None:
                     del stats[key]  # optional: reports without them read as before
-        for key in ("sampling", "cell_run"):
+        for key in ("sampling", "cell_run", "oom"):
             if data[key] is None:
                 del data[key]
         if data["phase"] == "done":
@@ -267,6 +281,7 @@ class Report:
             phase=data.get("phase", "done"),
             sampling=Sampling(**data["sampling"]) if data.get("sampling") else None,
             cell_run=CellRun(**data["cell_run"]) if data.get("cell_run") else None,
+            oom=OutOfMemory(**data["oom"]) if data.get("oom") else None,
         )
 
     def __repr__(self) -> str:

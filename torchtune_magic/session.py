@@ -36,6 +36,7 @@ from .engine import (
     fixes,
     memory,
     numerics,
+    oom,
     probe,
     state,
     steps,
@@ -44,7 +45,7 @@ from .engine import (
 )
 from .engine.workload import CellError, Workload, captured, silenced
 from .options import Options
-from .report import CellRun, NotApplicable, Report, Sampling, Stats, Variant
+from .report import CellRun, NotApplicable, OutOfMemory, Report, Sampling, Stats, Variant
 
 BASELINE = "baseline"
 SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5
@@ -114,6 +115,8 @@ class Session:
         self._plan_decided = False  # whether to sample is decided once per session
         self._plan_calibrated = False
         self._cell_names: set[str] = set()  # names the cell (re)binds
+        self.oom: OutOfMemory | None = None  # the cell ran out of memory in the probe
+        self._out_of_memory: CellError | None = None
         self._kernel = AFTER_ONE_RUN
         self._history: list[Variant] = []  # every finished measurement's variants, in order
         self._start_state: state.Snapshot | None = None
@@ -134,6 +137,10 @@ class Session:
         __tracebackhide__ = True
         self.probe()
         self.detect()
+        if self._out_of_memory is not None:  # a report on what happened, then the traceback
+            self.cell_run = CellRun("failed", detail=self.oom.error if self.oom else None)
+            self.publish(self._build_report(phase="done"))
+            raise self._out_of_memory
         self.publish(self._build_report(phase="measuring"))
         try:
             report = self.measure()
@@ -173,8 +180,22 @@ class Session:
         device = self.options.device or "cpu"
         low, high = PROBE_SECONDS
         stop_after = min(high, max(low, PROBE_SHARE_OF_BUDGET * self.options.budget))
+        failed: CellError | None = None
         with captured() as printed:
-            self.observation = probe.run(self.workload, device, stop_after_s=stop_after)
+            try:
+                self.observation = probe.run(self.workload, device, stop_after_s=stop_after)
+            except CellError as error:
+                failed = error
+        if failed is not None:
+            sys.stdout.write(printed.getvalue())  # what the cell printed before it raised
+            if failed.observation is None or not oom.is_out_of_memory(failed.original):
+                raise failed
+            # out of memory: findings from what the probe saw, memory fixes first
+            self.observation, self._out_of_memory = failed.observation, failed
+            self.oom = oom.describe(failed.original, self.workload, device)
+            self.observation.memory_asked = True
+            self._kernel = PART_RUN
+            return self.observation
         obs = self.observation
         if obs.stopped_early:
             self._kernel = PART_RUN
@@ -689,6 +710,8 @@ class Session:
         for config in configs[1:]:
             variant = results[config.label]
             _set_speedup(variant, base)
+            if self.options.memory and all(f.saves_memory for f in config.fixes):
+                variant.judged_by = "memory"
             if variant.error or variant.speedup is None:
                 continue
             tolerance = max(f.tolerance for f in config.fixes)
@@ -921,6 +944,7 @@ class Session:
             phase=phase,
             sampling=self._sampling(),
             cell_run=self.cell_run,
+            oom=self.oom,
         )
 
     def _sampling(self) -> Sampling | None:

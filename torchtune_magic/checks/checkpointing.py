@@ -44,6 +44,7 @@ class CheckpointFix(Fix):
     deletes the instance attribute (or puts back one the user had set)."""
 
     check_id = "activation-checkpointing"
+    saves_memory = True
 
     def __init__(self, blocks: list[torch.nn.Module]):
         super().__init__()

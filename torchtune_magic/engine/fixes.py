@@ -200,6 +200,9 @@ class Fix:
     # What a first run with the fix can pay once ("compile", "worker start", "cuDNN
     # autotune"). Only such fixes report a one-time cost; for others a slow first run is noise.
     one_time_cause: ClassVar[str] = ""
+    # A memory fix (activation checkpointing): under --memory it is judged by its peak
+    # memory first and its time second, never called "slower, not recommended".
+    saves_memory: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None

@@ -24,7 +24,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from . import discovery, graphs, memory
 from .fixes import Patcher
 from .steps import StepLimitReached
-from .workload import Workload, synchronize
+from .workload import CellError, Workload, synchronize
 
 SPAN_MARK = "perfcheck::mark#"
 MAX_SHAPES = 8  # distinct input shapes remembered per module
@@ -665,6 +665,9 @@ def _run_until_stopped(workload: Workload, recorder: _Recorder) -> float:
     except StepLimitReached:
         synchronize()
         return time.perf_counter() - recorder.started
+    except CellError as error:  # what was seen up to the error (say, running out of memory)
+        error.observation = recorder.obs
+        raise
 
 
 def run(

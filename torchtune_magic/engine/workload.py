@@ -27,6 +27,7 @@ class CellError(Exception):
     def __init__(self, original: BaseException):
         super().__init__(str(original))
         self.original = original
+        self.observation: Any = None  # what the probe saw before the cell raised, if any
 
 
 def synchronize() -> None:

@@ -105,6 +105,7 @@ def render(report: Report) -> str:
     context = "".join(
         f"<div>{_e(line)}</div>"
         for line in (
+            summary.oom_line(report),
             summary.phase_line(report),
             summary.sampling_line(report),
             summary.cell_run_line(report),

@@ -11,6 +11,7 @@ def render(report: Report) -> str:
     lines += [
         line
         for line in (
+            summary.oom_line(report),
             summary.phase_line(report),
             summary.sampling_line(report),
             summary.cell_run_line(report),
