@@ -125,6 +125,23 @@ def wrap_lines(source: str, first: int, last: int, header: str) -> str:
     return "".join([*lines[: first - 1], f"{indent}{header}:\n", *body, *lines[last:]])
 
 
+def insert_after_imports(source: str, line: str) -> str:
+    """The cell with `line` (a process-wide setting) as its first statement after imports
+    (blank lines above the first statement stay on top)."""
+    body = ast.parse(source).body
+    after = len(source.splitlines())
+    for node in body:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            starts = [node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))]
+            after = min(starts) - 1
+            break
+        after = node.end_lineno or node.lineno
+    lines = source.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    return "".join([*lines[:after], line.rstrip("\n") + "\n", *lines[after:]])
+
+
 def replace_node(source: str, node: ast.AST, text: str) -> str:
     """Replace the exact source span of `node` by `text`."""
     lines = source.splitlines(keepends=True)
