@@ -3,10 +3,11 @@
     python docs/check_table.py           print the table
     python docs/check_table.py --write   replace it in README.md (between the markers)
 
-Ids, titles (what is flagged), guide sections and the GPU-only flag come from
-`torchtune_magic.checks.registry.all_checks()`; a check has no field saying what its live
-fix does in one line, so that column comes from `LIVE_FIX` below, and a new check without
-an entry there stops the generator (and tests/test_readme.py) until one is written.
+Ids, the devices a check applies to, titles (what is flagged), thresholds (when the
+evidence counts) and guide sections come from `torchtune_magic.checks.registry.all_checks()`;
+a check has no field saying what its live fix does in one line, so that column comes from
+`LIVE_FIX` below, and a new check without an entry there stops the generator (and
+tests/test_readme.py) until one is written.
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ LIVE_FIX: dict[str, str] = {
     "fuse-pointwise": "`torch.compile` the function or module issuing the chains",
     "channels-last": "`model.to(memory_format=torch.channels_last)` + an input pre-hook",
     "activation-checkpointing": "checkpoint each repeated block (`use_reentrant=False`)",
-    "amp": "run under `torch.autocast` (bf16, or fp16 with a `GradScaler` when training)",
+    "amp": "run under `torch.autocast` (bf16; fp16 with a `GradScaler` when training on a GPU "
+    "without bf16)",
     "tf32": '`torch.set_float32_matmul_precision("high")`',
     "cudnn-benchmark": "`torch.backends.cudnn.benchmark = True`",
     "host-sync": "advice only: keep values on the device, read them once",
     "non-blocking-copy": "the cell's copies get `non_blocking=True`",
     "fused-optimizer": "rebuild the optimizer with `fused=True`, state carried over",
     "tensor-on-device": "`torch.<factory>(..., device=dev)` instead of `.to(dev)`",
+    "cpu-threads": "`torch.set_num_threads(k)` (k from a quick trial)",
+    "cpu-allocator": "raise glibc's mmap/trim thresholds (`mallopt`); advice: jemalloc or "
+    "tcmalloc via `LD_PRELOAD`",
 }
 
 
@@ -51,13 +56,19 @@ def table() -> str:
     if missing:
         raise SystemExit(f"docs/check_table.py: describe the live fix of {missing} in LIVE_FIX")
     rows = [
-        "| id | flagged when | live fix | guide section |",
-        "|---|---|---|---|",
+        "| id | applies to | flagged when | threshold | live fix | guide section |",
+        "|---|---|---|---|---|---|",
     ]
     for check in all_checks():
-        gpu = " **(GPU only)**" if check.needs_cuda else ""
-        title = check.title.replace("|", "\\|")
-        rows.append(f"| `{check.id}`{gpu} | {title} | {LIVE_FIX[check.id]} | {check.guide} |")
+        cells = [
+            f"`{check.id}`",
+            check.devices_text(),
+            check.title,
+            check.threshold or "any occurrence",
+            LIVE_FIX[check.id],
+            check.guide,
+        ]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows)
 
 

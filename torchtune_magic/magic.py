@@ -170,8 +170,10 @@ class PerfcheckMagics(Magics):
             from .checks import registry
 
             for check in registry.all_checks():
-                scope = " (CUDA only)" if check.needs_cuda else ""
-                print(f"{check.id:26} {check.title}{scope}\n{'':26} guide: {check.guide}")
+                print(
+                    f"{check.id:26} {check.title}\n{'':26} applies to: "
+                    f"{check.devices_text()} · guide: {check.guide}"
+                )
             return None
         if command == "revert":
             reverted = []

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from ..engine.fixes import Fix
+from ..engine.history import CallEdit
 from ..report import Finding
 
 if TYPE_CHECKING:
     from ..engine.probe import Observation
 
 GUIDE_URL = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
+DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA"}
+_WORK_ON = {"cpu": "the CPU", "cuda": "a CUDA device"}
 
 
 @dataclass
 class Detection:
-    """A finding, the live fix that goes with it (if any), and the edited cell text
-    (if the permanent change edits the cell) so several changes can be combined."""
+    """A finding, the live fix that goes with it (if any), the edited cell text (if the
+    permanent change edits the cell) and the edits of the earlier cells that built the
+    objects (`history.keyword_edit`), so several changes can be combined."""
 
     finding: Finding
     fix: Fix | None = None
     fixed_source: str | None = None
+    earlier: list[CallEdit] = field(default_factory=list)
 
 
 class Check:
@@ -30,16 +35,25 @@ class Check:
     id: ClassVar[str]
     title: ClassVar[str]
     guide: ClassVar[str]  # the guide's section title
-    needs_cuda: ClassVar[bool] = False
+    # The devices whose runs this check is about ("cpu", "cuda"): shown in the check table
+    # and `%perfcheck list`; a run on another device lists the check as not applicable.
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     # When the evidence counts as mattering for this cell, with the measurement the
     # threshold came from (shown in the README's check table); "" where any occurrence does.
     threshold: ClassVar[str] = ""
 
     def not_applicable(self, obs: Observation) -> str | None:
         """Why this check cannot apply to this run, or None."""
-        if self.needs_cuda and obs.device != "cuda":
-            return "not applicable on CPU: this only matters for work on a CUDA device"
-        return None
+        if obs.device in self.devices:
+            return None
+        where = " or ".join(_WORK_ON[device] for device in self.devices)
+        device = DEVICE_NAMES.get(obs.device, obs.device)
+        return f"not applicable on {device}: this only matters for work on {where}"
+
+    @classmethod
+    def devices_text(cls) -> str:
+        """Where this check applies, for people: "CPU", "CUDA" or "CPU, CUDA"."""
+        return ", ".join(DEVICE_NAMES[device] for device in cls.devices)
 
     def detect(self, obs: Observation) -> list[Detection]:
         raise NotImplementedError

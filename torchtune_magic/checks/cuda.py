@@ -46,7 +46,7 @@ class CudnnBenchmarkCheck(Check):
     id = "cudnn-benchmark"
     title = "Convolutions with fixed input shapes run without the cuDNN auto-tuner"
     guide = "Enable cuDNN auto-tuner"
-    needs_cuda = True
+    devices = ("cuda",)
 
     def detect(self, obs: Observation) -> list[Detection]:
         if torch.backends.cudnn.benchmark:
@@ -112,7 +112,7 @@ class NonBlockingCopyCheck(Check):
     id = "non-blocking-copy"
     title = "Pinned tensors are copied to the GPU with non_blocking=False"
     guide = "Use pinned memory buffers"
-    needs_cuda = True
+    devices = ("cuda",)
 
     def detect(self, obs: Observation) -> list[Detection]:
         # Pageable copies are pin-memory's finding: non_blocking only overlaps from pinned memory.
@@ -229,7 +229,7 @@ class TensorOnDeviceCheck(Check):
     id = "tensor-on-device"
     title = "Tensors are built on the CPU and then copied to the GPU"
     guide = "Create tensors directly on the target device"
-    needs_cuda = True
+    devices = ("cuda",)
 
     def detect(self, obs: Observation) -> list[Detection]:
         copies: list[HostCopy] = [

@@ -595,7 +595,7 @@ class PinMemoryCheck(Check):
     id = "pin-memory"
     title = "Batches are copied to the GPU from pageable memory (pin_memory=False)"
     guide = "Use pinned memory buffers"
-    needs_cuda = True
+    devices = ("cuda",)
 
     def detect(self, obs: Observation) -> list[Detection]:
         detections = []

@@ -128,7 +128,7 @@ class FusedOptimizerCheck(Check):
     id = "fused-optimizer"
     title = "The optimizer updates parameters tensor by tensor instead of in one fused kernel"
     guide = "Use fused optimizers"
-    needs_cuda = True
+    devices = ("cuda",)
 
     def detect(self, obs: Observation) -> list[Detection]:
         detections = []

@@ -1,26 +1,27 @@
-"""Math precision on tensor-core GPUs: autocast (AMP) and TF32 matmuls.
+"""Math precision: autocast (AMP) on GPUs and on CPUs with native bf16, TF32 matmuls.
 
-Guide (GPU part): "Use mixed precision and AMP" and "Enable TF32 on Ampere and later".
-Both fixes change results a little by design, so each states its tolerance and the report
-records the measured numerics verdict next to the speedup.
+Guide: "Use mixed precision and AMP" and "Enable TF32 on Ampere and later". Both fixes
+change results a little by design, so each states its tolerance and the report records the
+measured numerics verdict next to the speedup.
 
 The detection reads what the probe saw (math modules called in float32 with autocast off,
-the profiler's matmul/conv op counts), not the device, so on a CPU observation it works the
-same (autocast exists on CPU too); `needs_cuda` keeps it out of CPU runs, where bf16 rarely
-pays off.
+the profiler's matmul/conv op counts and times). On a CPU, `amp` applies only where the CPU
+runs bf16 in hardware (AMX, AVX512-BF16, Arm BF16: `engine/cpu.py`) and only when matmuls
+and convolutions are a real share of the cell: elsewhere the casts cost more than bf16
+saves. bf16 needs no loss scaling, so a CPU training cell gets autocast alone.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..engine import codeedit, discovery
+from ..engine import codeedit, cpu, discovery
 from ..engine.fixes import Fix, Patcher, patched
 from ..report import CodeChange
 from .base import Check, Detection
@@ -42,6 +43,28 @@ MATH_MODULES = (
 )
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")
 CONV_OPS = ("aten::convolution", "aten::cudnn_convolution", "aten::mkldnn_convolution")
+# self time of these ops is the "math" a CPU autocast speeds up (composite ops such as
+# aten::linear carry little self time, their mm/addmm children the rest)
+CPU_MATH_OPS = (
+    *MATMUL_OPS,
+    *CONV_OPS,
+    "aten::linear",
+    "aten::_convolution",
+    "aten::convolution_backward",
+    "aten::mkldnn_convolution_backward",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+# On a CPU, autocast's casts cost more than bf16 math saves unless matmuls/convolutions
+# dominate. Measured here (AVX512-BF16, shared 2-core machine): a 16-wide MLP (math 6% of
+# the probe) 1.0x; a 1024-wide MLP (math 50-84%) 1.3-2.4x training; a 64-channel conv net
+# (67-75%) 1.6x inference.
+CPU_MIN_MATH_SHARE = 0.25
+# ...and unless each matmul/conv is big enough to outweigh the casts: measured here on a
+# training step of Linear layers (one thread), 0.5x at 0.5 MFLOP per call, 0.9x at 4, 1.0x
+# at 8, 1.35x at 17, 1.8x at 537. Time shares alone mislead on a busy machine, where a
+# stalled thread pool makes even tiny matmuls look like most of the time.
+CPU_MIN_CALL_FLOPS = 16e6
 # torch.testing.assert_close's default rtol for bfloat16: one bf16 rounding (8-bit mantissa,
 # unit roundoff 3.9e-3) a few times over. Used for fp16 too (finer mantissa, same bound).
 AMP_TOLERANCE = 1.6e-2
@@ -176,12 +199,32 @@ class AmpCheck(Check):
     id = "amp"
     title = "Matmuls and convolutions run in float32 without autocast"
     guide = "Use mixed precision and AMP"
-    needs_cuda = True
+    threshold = (
+        f"CUDA: any float32 matmul/conv; CPU (with native bf16): matmul/conv time ≥ "
+        f"{CPU_MIN_MATH_SHARE:.0%} of the cell and ≥ {CPU_MIN_CALL_FLOPS / 1e6:.0f} MFLOP per "
+        "call (Linear training here: 0.5x at 0.5 MFLOP, 1.0x at 8, 1.35x at 17, 1.8x at 537)"
+    )
+
+    def not_applicable(self, obs: Observation) -> str | None:
+        if obs.device != "cpu":
+            return super().not_applicable(obs)
+        reason = cpu.no_bf16_reason()
+        if reason is None and not torch.backends.mkldnn.is_available():
+            reason = "this torch build has no oneDNN, which runs bf16 math on CPUs"
+        return f"not applicable on this CPU: {reason}" if reason else None
 
     def detect(self, obs: Observation) -> list[Detection]:
         uses = fp32_math(obs)
         if not uses:
             return []
+        share = _cpu_math_share(obs) if obs.device == "cpu" else None
+        per_call = _flops_per_call(uses)
+        if obs.device == "cpu" and (
+            share is None
+            or share < CPU_MIN_MATH_SHARE
+            or (per_call is not None and per_call < CPU_MIN_CALL_FLOPS)
+        ):
+            return []  # unweighed (the cell ran its own profiler), too little or too small
         dtype = _amp_dtype(obs.device)
         training = obs.backward_calls > 0
         scaled = training and dtype == torch.float16
@@ -191,9 +234,15 @@ class AmpCheck(Check):
         if scaled and any(codeedit.calls_named(obs.tree, CLIP_CALLS)):
             blocked = "the cell clips gradients, which must be unscaled first (scaler.unscale_)"
         name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-        evidence = (
-            f"{_modules_text(uses)} ran in float32 with autocast off{_ops_text(obs)}; "
-            f"autocast would run them in {name}" + (" with a GradScaler" if scaled else "")
+        evidence = f"{_modules_text(uses)} ran in float32 with autocast off{_ops_text(obs)}"
+        if share is not None:
+            size = f", {per_call / 1e6:,.0f} MFLOP per call" if per_call is not None else ""
+            evidence += (
+                f"; matmuls and convolutions took {share:.0%} of the cell's time{size}; this "
+                f"CPU runs bf16 in hardware ({', '.join(cpu.bf16_features())} in its flags)"
+            )
+        evidence += f"; autocast would run them in {name}" + (
+            " with a GradScaler" if scaled else ""
         )
         if blocked:
             evidence += f"; not applied live: {blocked}"
@@ -218,16 +267,70 @@ class AmpCheck(Check):
                     where=", ".join(names[:6]) + (" …" if len(names) > 6 else ""),
                     fixable=fix is not None,
                     line=span[0] if span else None,
-                    caveat=(
-                        f"results change within {name}'s precision (compared with tolerance "
-                        f"{AMP_TOLERANCE:g}); losses and reductions stay float32 under autocast"
-                    ),
+                    caveat=_amp_caveat(name, training),
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
                 fix,
                 fixed if fixed != source else None,
             )
         ]
+
+
+def _cpu_math_share(obs: Observation) -> float | None:
+    """Self time of matmul/conv ops over the probe's wall time (None: no op stream)."""
+    if not obs.op_totals or not obs.wall_s:
+        return None
+    math_us = sum(obs.op_totals.get(name, (0, 0.0))[1] for name in CPU_MATH_OPS)
+    return min(1.0, math_us / 1e6 / obs.wall_s)
+
+
+def _flops_per_call(uses: list[ModuleUse]) -> float | None:
+    """Mean FLOPs of one float32 call of these modules, from the input shape each was
+    first called with (None when no module's size can be told)."""
+    flops = calls = 0.0
+    for use in uses:
+        each = _call_flops(use.module, use.input_shape)
+        if each is not None:
+            fp32_calls = use.calls - use.autocast_calls
+            flops += each * fp32_calls
+            calls += fp32_calls
+    return flops / calls if calls else None
+
+
+def _call_flops(module: nn.Module, shape: tuple[int, ...] | None) -> float | None:
+    """Multiply-adds x 2 of one forward of a Linear or convolution on an input of `shape`."""
+    if shape is None:
+        return None
+    if isinstance(module, nn.Linear):
+        return 2.0 * math.prod(shape[:-1]) * module.in_features * module.out_features
+    if isinstance(module, nn.modules.conv._ConvNd):
+        dims = len(module.kernel_size)
+        if len(shape) < dims + 1:
+            return None
+        batch = math.prod(shape[: -(dims + 1)])
+        spatial = list(shape[-dims:])
+        if not module.transposed:  # output positions (exact for "same" padding)
+            spatial = [-(-size // module.stride[i]) for i, size in enumerate(spatial)]
+        # each position of the smaller side meets a kernel of every channel pair in a group
+        pairs = module.in_channels * module.out_channels / module.groups
+        return 2.0 * batch * math.prod(spatial) * math.prod(module.kernel_size) * pairs
+    return None
+
+
+def _amp_caveat(name: str, training: bool) -> str:
+    """What autocast does to results, with the tolerance the numerics verdict used."""
+    bits = "8" if name == "bfloat16" else "11"
+    text = (
+        f"{name} keeps {bits} significant bits, so results change: they are compared with a "
+        f"relative tolerance of {AMP_TOLERANCE:g} (torch.testing's for bfloat16) instead of "
+        "float32's; losses, softmax and reductions stay float32 under autocast"
+    )
+    if training:
+        text += (
+            "; small changes add up over many steps: check the trained model's validation "
+            "loss or accuracy before keeping it"
+        )
+    return text
 
 
 def _amp_dtype(device: str) -> torch.dtype:
@@ -260,7 +363,7 @@ class TF32Check(Check):
     id = "tf32"
     title = 'float32 matmuls run at full precision ("highest") on a TF32-capable GPU'
     guide = "Enable TF32 on Ampere and later"
-    needs_cuda = True
+    devices = ("cuda",)
 
     def not_applicable(self, obs: Observation) -> str | None:
         reason = super().not_applicable(obs)
@@ -281,7 +384,7 @@ class TF32Check(Check):
             'torch.get_float32_matmul_precision() is "highest", so none uses TF32 tensor cores'
         )
         source = obs.workload.source
-        fixed = _with_precision_line(source)
+        fixed = codeedit.insert_after_imports(source, 'torch.set_float32_matmul_precision("high")')
         return [
             Detection(
                 self.finding(
@@ -302,17 +405,3 @@ class TF32Check(Check):
                 fixed,
             )
         ]
-
-
-def _with_precision_line(source: str) -> str:
-    """The cell with the precision setting as its first statement (after imports)."""
-    tree = ast.parse(source)
-    after = 0
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            after = node.end_lineno or node.lineno
-        else:
-            break
-    lines = source.splitlines(keepends=True)
-    line = 'torch.set_float32_matmul_precision("high")\n'
-    return "".join([*lines[:after], line, *lines[after:]])

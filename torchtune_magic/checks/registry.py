@@ -10,6 +10,7 @@ from .base import Check
 @cache
 def all_checks() -> tuple[Check, ...]:
     from . import (
+        allocator,
         autograd,
         checkpointing,
         conv_bn,
@@ -21,6 +22,7 @@ def all_checks() -> tuple[Check, ...]:
         optimizer,
         precision,
         sync,
+        threads,
     )
 
     return (
@@ -42,6 +44,8 @@ def all_checks() -> tuple[Check, ...]:
         cuda.NonBlockingCopyCheck(),
         optimizer.FusedOptimizerCheck(),
         cuda.TensorOnDeviceCheck(),
+        threads.ThreadsCheck(),
+        allocator.AllocatorCheck(),
     )
 
 

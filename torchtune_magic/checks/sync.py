@@ -53,7 +53,7 @@ class HostSyncCheck(Check):
     id = "host-sync"
     title = "The loop reads GPU values on the host every step"
     guide = "Avoid unnecessary CPU-GPU synchronization"
-    needs_cuda = True
+    devices = ("cuda",)
 
     def not_applicable(self, obs: Observation) -> str | None:
         if obs.device != "cuda":

@@ -1,0 +1,428 @@
+"""The guide's CPU part: bf16 `amp` on CPUs that have it, `cpu-threads`, `cpu-allocator`.
+
+Everything runs for real on this CPU. Timing is asserted only where the effect is several
+times the noise of a shared 2-core machine; elsewhere a test asserts that a speedup was
+measured and what a user sees (evidence, verdicts, settings put back).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from workloads import detected, namespace_with
+
+from torchtune_magic import perfcheck
+from torchtune_magic.checks import registry
+from torchtune_magic.checks.precision import AMP_TOLERANCE
+from torchtune_magic.checks.threads import ThreadsFix
+from torchtune_magic.engine import allocator, cpu
+
+TESTS = Path(__file__).resolve().parent
+MLP_SETUP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+mlp = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
+                    nn.Linear(1024, 10))
+opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+X, Y = torch.randn(256, 512), torch.randint(0, 10, (256,))
+"""
+MLP_TRAIN = """
+for _ in range(6):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(mlp(X), Y)
+    loss.backward()
+    opt.step()
+"""
+CNN_SETUP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+cnn = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1),
+                    nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
+images = torch.randn(16, 3, 64, 64)
+"""
+CNN_INFERENCE = """
+with torch.no_grad():
+    for _ in range(3):
+        out = cnn(images)
+"""
+BF16 = cpu.bf16_features()
+needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU has no native bf16")
+CORES = cpu.available_cores().count
+needs_cores = pytest.mark.skipif(CORES < 2, reason="needs at least 2 available cores")
+
+
+@pytest.fixture
+def thread_count():
+    """Whatever a test does to torch's thread count, the next test starts with the old one."""
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+# amp on the CPU --------------------------------------------------------------------------
+
+
+@needs_bf16
+def test_bf16_autocast_on_an_mlp_training_cell_is_measured_with_its_numerics():
+    ns = namespace_with(MLP_SETUP)
+    session = detected(MLP_TRAIN, ns, checks="amp", budget=6)
+    [found] = session.detections
+    evidence = found.finding.evidence
+    assert "Linear ×18 ran in float32 with autocast off" in evidence
+    assert f"this CPU runs bf16 in hardware ({', '.join(BF16)} in its flags)" in evidence
+    assert "of the cell's time" in evidence
+    assert found.fix.compute_dtype == torch.bfloat16 and not found.fix.scaled  # no GradScaler
+    assert '+with torch.autocast("cpu", dtype=torch.bfloat16):' in found.finding.code_change.diff
+    caveat = found.finding.caveat
+    assert f"relative tolerance of {AMP_TOLERANCE:g}" in caveat and "validation" in caveat
+    report = session.measure()
+    variant = report.variant_for(["amp"])
+    assert variant.error is None and variant.speedup is not None
+    # bf16 really ran (results moved), within bf16's tolerance
+    assert variant.numerics.verdict == "close"
+    assert 0 < variant.numerics.max_rel_diff <= AMP_TOLERANCE
+    assert variant.flops == report.baseline.flops
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@needs_bf16
+def test_bf16_autocast_on_a_cnn_inference_cell_is_measured(thread_count):
+    # one thread: another process on this shared 2-core machine cannot stall a parallel
+    # region, so the 1.6-2.3x of bf16 convolutions stands well clear of the noise
+    torch.set_num_threads(1)
+    ns = namespace_with(CNN_SETUP)
+    report = perfcheck(CNN_INFERENCE, ns, checks="amp", budget=6)
+    [finding] = report.findings
+    assert finding.id == "amp" and "Conv2d ×6" in finding.evidence
+    variant = report.variant_for(["amp"])
+    assert variant.error is None and variant.speedup > 1.2
+    assert variant.numerics.verdict == "close"
+
+
+@needs_bf16
+def test_a_cell_already_under_autocast_is_not_flagged():
+    ns = namespace_with(CNN_SETUP)
+    cell = 'with torch.autocast("cpu", dtype=torch.bfloat16):\n' + textwrap.indent(
+        CNN_INFERENCE, "    "
+    )
+    report = perfcheck(cell, ns, checks="amp", budget=1, quick=True)
+    assert report.findings == [] and report.not_applicable == []
+
+
+def test_a_cpu_without_bf16_lists_amp_as_not_applicable_and_says_why(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "fma"}))
+    session = detected(CNN_INFERENCE, namespace_with(CNN_SETUP), checks="amp")
+    [entry] = session.not_applicable
+    assert entry.id == "amp" and session.detections == []
+    assert entry.reason.startswith("not applicable on this CPU: this CPU has no native bfloat16")
+    assert "amx_bf16, avx512_bf16, bf16" in entry.reason
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: None)
+    session = detected(CNN_INFERENCE, namespace_with(CNN_SETUP), checks="amp")
+    assert "could not be read" in session.not_applicable[0].reason
+
+
+def test_bf16_features_are_read_from_x86_flags_and_arm_features(monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    monkeypatch.setattr(cpu, "CPUINFO", info)
+    cases = {
+        "flags\t\t: fpu sse avx512f avx512_bf16 amx_tile amx_bf16\n": ["amx_bf16", "avx512_bf16"],
+        "Features\t: fp asimd sve bf16 i8mm\n": ["bf16"],
+        "flags\t\t: fpu sse avx2\n": [],
+    }
+    for text, expected in cases.items():
+        info.write_text("processor\t: 0\n" + text)
+        cpu.cpu_flags.cache_clear()
+        assert cpu.bf16_features() == expected
+    cpu.cpu_flags.cache_clear()
+
+
+SWISH_CNN_SETUP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+class Swish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x) * 0.5 + x * 0.5
+cnn = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), Swish(), nn.Conv2d(64, 64, 3, padding=1),
+                    Swish(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
+images = torch.randn(16, 3, 64, 64)
+"""
+
+
+@needs_bf16
+def test_bf16_amp_composes_with_channels_last_and_compile(monkeypatch, thread_count):
+    torch.set_num_threads(1)
+    # as in a kernel, the namespace is the __main__ module's: torch.compile's guards look up
+    # the globals of `Swish.forward` through it
+    main = types.ModuleType("__main__")
+    exec(textwrap.dedent(SWISH_CNN_SETUP), main.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    ns = main.__dict__
+    cnn = ns["cnn"]
+    session = detected(CNN_INFERENCE, ns, checks="amp,channels-last,fuse-pointwise", budget=30)
+    found = {d.finding.id for d in session.fixable}
+    assert found == {"amp", "channels-last", "fuse-pointwise"}, found
+    report = session.measure([["amp", "channels-last", "fuse-pointwise"]])
+    together = report.variant_for(["amp", "channels-last", "fuse-pointwise"])
+    assert together.error is None and together.speedup is not None
+    assert together.numerics.verdict == "close"  # amp's tolerance, the loosest of the three
+    assert not torch.is_autocast_enabled("cpu") and ns["cnn"] is cnn
+    assert cnn[0].weight.is_contiguous()  # channels_last undone too
+
+
+# cpu-threads ------------------------------------------------------------------------------
+
+
+@needs_cores
+def test_a_forgotten_set_num_threads_1_is_flagged_and_measured_then_put_back(thread_count):
+    torch.set_num_threads(1)
+    ns = namespace_with(MLP_SETUP)
+    report = perfcheck(MLP_TRAIN, ns, checks="cpu-threads", budget=4)
+    [finding] = report.findings
+    assert finding.id == "cpu-threads" and finding.fixable
+    assert "torch runs 1 intra-op thread" in finding.evidence
+    assert f"this process may use {CORES} (" in finding.evidence
+    assert "quick trial on mlp forward on a (256, 512) input (no_grad)" in finding.evidence
+    assert "+torch.set_num_threads(" in finding.code_change.diff
+    variant = report.variant_for(["cpu-threads"])
+    assert variant.error is None and variant.speedup is not None
+    assert variant.numerics.verdict in ("identical", "close")
+    assert torch.get_num_threads() == 1  # measured, then undone: the user's setting stands
+
+
+def test_default_threads_on_this_machine_stay_silent():
+    if torch.get_num_threads() != CORES:
+        pytest.skip(f"torch's default here is {torch.get_num_threads()} threads, not {CORES}")
+    report = perfcheck(MLP_TRAIN, namespace_with(MLP_SETUP), checks="cpu-threads", budget=1)
+    assert report.findings == [] and report.not_applicable == []
+
+
+@needs_cores
+def test_too_many_threads_get_fewer_and_a_cell_s_own_call_is_edited(thread_count):
+    too_many = 4 * CORES
+    cell = f"torch.set_num_threads({too_many})\n" + MLP_TRAIN
+    ns = namespace_with(MLP_SETUP)
+    session = detected(cell, ns, checks="cpu-threads", budget=1)
+    [found] = session.detections
+    evidence = found.finding.evidence
+    assert (
+        f"torch runs {too_many} intra-op threads (set by torch.set_num_threads at cell line 1)"
+        in evidence
+    )
+    assert found.finding.where == "cell line 1"
+    chosen = found.fix.threads
+    assert chosen < too_many
+    assert found.fixed_source.startswith(f"torch.set_num_threads({chosen})\n")
+    assert found.fix.edit_source(cell) == found.fixed_source  # the run sets k itself
+    assert torch.get_num_threads() == too_many  # the trial put the count back
+
+
+def test_threads_fix_undo_puts_back_the_exact_count(thread_count):
+    for start in (1, 3):
+        torch.set_num_threads(start)
+        fix = ThreadsFix(2)
+        fix.apply({})
+        assert torch.get_num_threads() == 2
+        fix.undo()
+        assert torch.get_num_threads() == start
+
+
+@needs_cores
+def test_busy_loader_workers_next_to_all_threads_ask_for_fewer_threads():
+    ns = namespace_with(
+        MLP_SETUP,
+        "from torch.utils.data import DataLoader\nfrom slow_data import SlowDataset\n"
+        "loader = DataLoader(SlowDataset(n=48, features=512, delay_s=0.01), batch_size=8, "
+        f"num_workers={CORES})\n",
+    )
+    if torch.get_num_threads() != CORES:
+        pytest.skip("needs torch's default thread count")
+    cell = "for xb, _ in loader:\n    out = mlp(xb)\n"
+    session = detected(cell, ns, checks="cpu-threads", budget=1)
+    [found] = session.detections
+    assert f"{CORES} DataLoader workers were busy loading" in found.finding.evidence
+    assert found.fix.threads == 1
+
+
+def test_cores_count_physical_cores_in_the_affinity_mask_under_the_cgroup_quota(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    sys_root, proc = tmp_path / "sys", tmp_path / "proc"
+    for cpu_id in cpus:  # all of them hyperthreads of one core
+        topology = sys_root / "devices/system/cpu" / f"cpu{cpu_id}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text("0\n")
+    (proc / "self").mkdir(parents=True)
+    (proc / "self/cgroup").write_text("0::/\n")
+    (sys_root / "fs/cgroup").mkdir(parents=True)
+    cores = cpu.available_cores(sys_root, proc)
+    assert cores.count == 1 and cores.detail.startswith("1 physical core in the affinity mask")
+    for index, cpu_id in enumerate(cpus):  # separate cores again, and a 1.5-CPU v2 quota
+        topology = sys_root / "devices/system/cpu" / f"cpu{cpu_id}" / "topology"
+        (topology / "core_id").write_text(f"{index}\n")
+    (proc / "self/cgroup").write_text("0::/user/job\n")
+    (sys_root / "fs/cgroup/user/job").mkdir(parents=True)
+    (sys_root / "fs/cgroup/user/job/cpu.max").write_text("150000 100000\n")
+    (sys_root / "fs/cgroup/cpu.max").write_text("max 100000\n")
+    cores = cpu.available_cores(sys_root, proc)
+    assert cores.count == min(len(cpus), 2) and "1.5 CPUs" in cores.detail
+    (proc / "self/cgroup").write_text("4:cpu,cpuacct:/docker/abc\n")  # v1, quota on a parent
+    v1 = sys_root / "fs/cgroup/cpu,cpuacct/docker"
+    (v1 / "abc").mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu.available_cores(sys_root, proc).count == 1
+
+
+def test_cpu_checks_are_not_applicable_to_cuda_work():
+    obs = detected(MLP_TRAIN, namespace_with(MLP_SETUP), checks="no-grad").observation
+    obs.device = "cuda"
+    for check_id in ("cpu-threads", "cpu-allocator"):
+        reason = registry.get(check_id).not_applicable(obs)
+        assert reason == "not applicable on CUDA: this only matters for work on the CPU"
+    assert registry.get("amp").not_applicable(obs) is None
+
+
+# cpu-allocator ----------------------------------------------------------------------------
+
+ALLOCATOR_RUN = """
+import ctypes, json, torch
+from workloads import detected, namespace_with
+from torchtune_magic.checks.allocator import AllocatorFix
+torch.set_num_threads(1)  # a busy machine's stalled threads would blur the fault share
+
+SETUP = '''
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.ReLU())])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+X = torch.randn(32, 1024)
+'''
+CELL = '''
+for _ in range(20):
+    opt.zero_grad(set_to_none=True)
+    model(X).square().mean().backward()
+    opt.step()
+'''
+
+
+class MallInfo2(ctypes.Structure):  # glibc's public allocator statistics
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+
+def mapped_30_mib():
+    # whether glibc serves a fresh 30 MiB block with its own mmap: only when its mmap
+    # threshold is below 30 MiB (the fix: 32 MiB; glibc's default: 128 KiB)
+    libc.malloc_trim(0)  # no free heap top left over to serve it from
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(30 << 20)
+    mapped = libc.mallinfo2().hblkhd - before >= 30 << 20
+    libc.free(block)
+    return mapped
+
+
+# first, while the heap is small: the fix applied, then undone
+fix = AllocatorFix()
+fix.apply({})
+applied = mapped_30_mib()
+fix.undo()
+undone = mapped_30_mib()
+
+ns = namespace_with(SETUP)
+session = detected(CELL, ns, checks="cpu-allocator", budget=4)
+report = session.measure()
+variant = report.variant_for(["cpu-allocator"])
+print(json.dumps({
+    "findings": [f.__dict__ | {"code_change": f.code_change.__dict__} for f in report.findings],
+    "speedup": variant.speedup, "error": variant.error, "verdict": variant.numerics.verdict,
+    "mapped_applied": applied, "mapped_undone": undone,
+}))
+"""
+
+
+def _in_fresh_process(script: str, **env: str) -> dict:
+    """glibc's thresholds are process-wide and cannot be read back: the allocator's test runs
+    in a process of its own, so this test process keeps glibc as it was."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), **env},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(allocator.glibc_version() is None, reason="needs glibc")
+def test_set_to_none_churn_shows_its_page_faults_and_mallopt_fix_is_undone_to_defaults():
+    result = _in_fresh_process(ALLOCATOR_RUN)
+    [finding] = result["findings"]
+    assert finding["id"] == "cpu-allocator" and finding["fixable"]
+    evidence = finding["evidence"]
+    assert "minor page faults in" in evidence and "µs per fault measured here" in evidence
+    assert "re-measured without instrumentation on model forward + backward" in evidence
+    assert "faults per step" in evidence
+    assert "M_MMAP_THRESHOLD to 32 MiB and M_TRIM_THRESHOLD to 128 MiB" in evidence
+    defaults = "its documented defaults (M_MMAP_THRESHOLD 128 KiB, M_TRIM_THRESHOLD 128 KiB)"
+    assert defaults in finding["caveat"]
+    elsewhere = " ".join(finding["code_change"]["elsewhere"])
+    assert "LD_PRELOAD=" in elsewhere and "libjemalloc.so.2" in elsewhere
+    assert "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=134217728" in elsewhere
+    assert result["error"] is None and result["speedup"] is not None
+    assert result["verdict"] == "identical"
+    # applied: blocks up to 32 MiB come from the heap; undone: glibc's 128 KiB default again
+    assert result["mapped_applied"] is False and result["mapped_undone"] is True
+
+
+def test_thresholds_the_process_started_with_are_what_undo_puts_back(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert allocator.starting_thresholds() == allocator.DEFAULTS
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0x8000000")
+    assert allocator.starting_thresholds() == {
+        allocator.M_MMAP_THRESHOLD: 4 << 20,
+        allocator.M_TRIM_THRESHOLD: 128 << 20,
+    }
+
+
+def test_a_small_cell_has_no_allocator_finding():
+    report = perfcheck(MLP_TRAIN, namespace_with(MLP_SETUP), checks="cpu-allocator", budget=1)
+    assert report.findings == [] and report.not_applicable == []
+
+
+# where each check applies -----------------------------------------------------------------
+
+
+def test_perfcheck_list_shows_where_each_check_applies(ip, capsys):
+    ip.run_line_magic("perfcheck", "list")
+    lines = capsys.readouterr().out.splitlines()
+
+    def applies(check_id: str) -> str:
+        index = next(i for i, line in enumerate(lines) if line.startswith(check_id + " "))
+        return lines[index + 1].split("applies to: ")[1].split(" · ")[0]
+
+    assert applies("cpu-threads") == applies("cpu-allocator") == "CPU"
+    assert applies("amp") == applies("no-grad") == "CPU, CUDA"
+    assert applies("tf32") == applies("pin-memory") == "CUDA"

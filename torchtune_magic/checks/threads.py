@@ -1,0 +1,207 @@
+"""torch's intra-op threads against the cores this process may really use.
+
+Guide, CPU part: "Utilize OpenMP" — one compute thread per physical core, no more than the
+process may run at once. torch's default is the machine's physical core count, which is too
+many in a container with a CPU quota or a narrowed affinity mask; a `set_num_threads(1)`
+left over from debugging (or `OMP_NUM_THREADS=1`) leaves cores idle; DataLoader workers
+that are busy loading while the main process computes compete with its threads.
+
+With torch's default on a machine it has to itself the count equals the available cores and
+the check stays silent without timing anything. Otherwise the count is chosen by a quick
+trial: the main model's forward under no_grad (`proxy.py`) timed with each candidate count.
+The trial cannot see busy loader workers, so when they are the reason, the count is the
+cores they leave free and the measurement of the real cell decides.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..engine import codeedit, cpu
+from ..engine.fixes import Fix, Patcher
+from ..report import CodeChange
+from . import proxy
+from .base import Check, Detection
+from .loader import WAIT_SHARE
+
+if TYPE_CHECKING:
+    from ..engine.probe import Observation
+
+TRIAL_BUDGET_S = 1.5  # all candidate counts together
+TIE = 1.05  # counts within 5% of the fastest tie; ties go to fewer threads
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+SETTERS = {"set_num_threads"}
+
+
+@dataclass
+class Trial:
+    threads: int
+    seconds: float
+
+
+def candidates(current: int, cores: int, wanted: int) -> list[int]:
+    """The current count, the target, the cores, and powers of two between them."""
+    low, high = min(current, cores, wanted), max(current, cores, wanted)
+    between = {2**i for i in range(12) if low < 2**i < high}
+    return sorted({current, cores, wanted, *between})
+
+
+def trial(step_proxy: proxy.Proxy, counts: list[int]) -> list[Trial]:
+    """Seconds per forward with each thread count; the count is put back afterwards."""
+    previous = torch.get_num_threads()
+    trials = []
+    try:
+        with step_proxy.ready() as step:
+            for count in counts:
+                torch.set_num_threads(count)
+                seconds = proxy.seconds_per_step(step, TRIAL_BUDGET_S / len(counts))
+                trials.append(Trial(count, seconds))
+    finally:
+        torch.set_num_threads(previous)
+    return trials
+
+
+def _pick(trials: list[Trial], current: int) -> Trial:
+    """The fastest count other than the current one (the fix must change something);
+    ties go to fewer threads."""
+    others = [t for t in trials if t.threads != current]
+    fastest = min(t.seconds for t in others)
+    return min((t for t in others if t.seconds <= TIE * fastest), key=lambda t: t.threads)
+
+
+class ThreadsFix(Fix):
+    """`torch.set_num_threads(k)` for the process (and in the cell's own calls, if it makes
+    any); undo puts back the exact count read before."""
+
+    check_id = "cpu-threads"
+    # another thread count splits reductions differently: last-bit differences are "close"
+    tolerance = 1e-5
+
+    def __init__(self, threads: int):
+        super().__init__()
+        self.threads = threads
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        previous = torch.get_num_threads()
+        patcher.call(
+            lambda: torch.set_num_threads(self.threads),
+            lambda: torch.set_num_threads(previous),
+        )
+
+    def edit_source(self, source: str) -> str:
+        return with_threads(source, self.threads)
+
+
+def with_threads(source: str, threads: int) -> str:
+    """The cell's own `set_num_threads(...)` calls given `threads`."""
+    calls = [c for c in codeedit.calls_named(ast.parse(source), SETTERS) if len(c.args) == 1]
+    return codeedit.replace_nodes(source, [(call.args[0], str(threads)) for call in calls])
+
+
+def _threads_origin(obs: Observation, current: int) -> tuple[str, int | None]:
+    """Where the current count comes from, as far as can be told, and its cell line."""
+    lines = [c.lineno for c in codeedit.calls_named(obs.tree, SETTERS)]
+    if lines:
+        return f"set by torch.set_num_threads at cell line {lines[0]}", lines[0]
+    env = [f"{name}={os.environ[name]}" for name in THREAD_ENV if name in os.environ]
+    if env:
+        return f"{' and '.join(env)} in the kernel's environment", None
+    if current == cpu.machine_cores():
+        return f"torch's default: the machine's {current} physical cores", None
+    return "set by torch.set_num_threads before this cell", None
+
+
+def _busy_workers(obs: Observation) -> int:
+    """Worker processes of loaders the main process waited on (a real share of the cell):
+    those workers were busy while it computed."""
+    if not obs.wall_s:
+        return 0
+    return sum(
+        use.loader.num_workers
+        for use in obs.loaders.values()
+        if use.loader.num_workers and use.wait_s / obs.wall_s >= WAIT_SHARE
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+class ThreadsCheck(Check):
+    id = "cpu-threads"
+    title = "torch's compute threads do not match the cores this process may use"
+    guide = "Utilize OpenMP"
+    devices = ("cpu",)
+    threshold = (
+        "torch.get_num_threads() ≠ the physical cores in the affinity mask capped by the "
+        "cgroup quota, or intra-op threads + busy loader workers > cores (the measurement "
+        "decides: with another process busy on a 2-core machine, 1 thread beat 2)"
+    )
+
+    def detect(self, obs: Observation) -> list[Detection]:
+        current = torch.get_num_threads()
+        cores = cpu.available_cores()
+        workers = _busy_workers(obs)
+        oversubscribed = workers > 0 and current + workers > cores.count
+        wanted = max(1, cores.count - workers) if oversubscribed else cores.count
+        if wanted == current:
+            return []
+        origin, line = _threads_origin(obs, current)
+        evidence = (
+            f"torch runs {current} intra-op thread{'s' if current > 1 else ''} ({origin}); "
+            f"this process may use {cores.count} ({cores.detail})"
+        )
+        if oversubscribed:
+            evidence += (
+                f"; {workers} DataLoader workers were busy loading (the cell waited on them) "
+                f"while it computed: {current} + {workers} threads on {cores.count} cores"
+            )
+            chosen = wanted
+        else:
+            chosen, text = self._trial(obs, current, cores.count, wanted)
+            evidence += f"; {text}"
+        source = obs.workload.source
+        fixed = with_threads(source, chosen)
+        if fixed == source:
+            fixed = codeedit.insert_after_imports(source, f"torch.set_num_threads({chosen})")
+        elsewhere = [
+            f"or start the kernel with OMP_NUM_THREADS={chosen} (it applies to every cell)"
+        ]
+        return [
+            Detection(
+                self.finding(
+                    evidence=evidence,
+                    where=f"cell line {line}" if line else "torch's thread pool (process-wide)",
+                    fixable=True,
+                    line=line,
+                    caveat=(
+                        "the setting is process-wide: other cells run with it too; results "
+                        "may differ in the last bits (reductions split across threads "
+                        "differently)"
+                    ),
+                    code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
+                ),
+                ThreadsFix(chosen),
+                fixed,
+            )
+        ]
+
+    @staticmethod
+    def _trial(obs: Observation, current: int, cores: int, wanted: int) -> tuple[int, str]:
+        """The count to offer and the evidence text of how it was chosen."""
+        step_proxy = proxy.main_model(obs, backward=False)
+        if step_proxy is None:
+            return wanted, f"no model call to try counts on: {wanted} (the available cores)"
+        trials = trial(step_proxy, candidates(current, cores, wanted))
+        best = _pick(trials, current)
+        timings = ", ".join(
+            f"{t.threads} thread{'s' if t.threads > 1 else ''} {_ms(t.seconds)}" for t in trials
+        )
+        return best.threads, (
+            f"quick trial on {step_proxy.describe()} (no_grad): {timings}; {best.threads} chosen"
+        )
