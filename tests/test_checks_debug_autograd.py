@@ -154,7 +154,7 @@ def test_gradcheck_in_the_loop_is_found_with_its_share_of_time():
     assert finding.evidence.endswith("%)")  # its share of the cell's time
     assert finding.where == "cell line 7"
     variant = report.variant_for(["debug-gradcheck"])
-    assert variant.speedup is not None and variant.speedup > 1.0  # gradcheck dominates ~10x
+    assert variant.speedup is not None and variant.speedup > 1.4  # 2.2x measured here
 
 
 def test_gradcheck_outside_the_cell_work_is_silent():

@@ -74,7 +74,7 @@ def test_global_loader_from_earlier_cell_is_flagged_and_measured_faster():
     )
     variant = report.variant_for(["dataloader-workers"])
     assert variant.error is None
-    assert variant.speedup > 1.0  # loose: the >= 2x claim belongs to the benchmark
+    assert variant.speedup > 1.3  # 2-3x here; the >= 2x claim belongs to the benchmark
     # shuffled, yet the same batches in the same order: the RNG stream is kept
     assert variant.numerics.verdict == "identical"
     assert ns["loader"] is original  # the kernel is as if the cell ran once
