@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import re
+import textwrap
 from typing import Any
 
 import pytest
@@ -61,6 +63,8 @@ def test_fires_on_a_user_cnn_fed_nchw_and_measures_it():
     found = report.finding("channels-last")
     assert found is not None and found.where == "net"
     assert "[8, 3, 32, 32]" in found.evidence and "2 Conv2d" in found.evidence
+    share = re.search(r"convolutions took .* \((\d+)%, profiler self time", found.evidence)
+    assert share is not None and int(share.group(1)) >= 10  # its convs are what it does
     assert "per-conv forward timing" in found.evidence
     variant = report.variant_for(["channels-last"])
     assert variant.error is None and variant.speedup is not None
@@ -122,6 +126,46 @@ def test_cell_runs_unchanged_while_applied_and_training_updates_survive_undo():
 def test_silent_on_clean_controls(setup: str, cell: str):
     session = detected(cell, namespace(setup))
     assert "channels-last" not in [d.finding.id for d in session.detections]
+
+
+VIT = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+class ViT(nn.Module):
+    \"\"\"A patch-embedding conv, then transformer blocks (as timm's ViTs).\"\"\"
+    def __init__(self, dim=256, depth=4, heads=4, patch=8, size=64):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
+        self.pos = nn.Parameter(torch.zeros(1, (size // patch) ** 2, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 10)
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        return self.head(self.blocks(x).mean(1))
+net = ViT()
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+images = torch.randn(4, 3, 64, 64)
+"""
+UNDER_OWN_PROFILER = 'with torch.profiler.record_function("step"):\n' + textwrap.indent(
+    INFER, "    "
+)
+
+
+@pytest.mark.parametrize(
+    "cell", [INFER, TRAIN, UNDER_OWN_PROFILER], ids=["infer", "train", "estimated"]
+)
+def test_a_vit_whose_only_conv_is_the_patch_embedding_is_not_flagged(cell: str):
+    session = detected(cell, namespace(VIT))
+    assert session.observation.modules[id(session.workload.namespace["net"])].input_nchw_4d
+    assert "channels-last" not in [d.finding.id for d in session.detections]
+
+
+def test_a_cnn_under_a_profiler_of_its_own_is_still_flagged_from_per_conv_timing():
+    session = detected(UNDER_OWN_PROFILER, namespace())  # the probe cannot profile here
+    (found,) = [d.finding for d in session.detections if d.finding.id == "channels-last"]
+    assert "estimated from per-conv timing" in found.evidence
 
 
 def test_per_conv_timing_names_each_conv():
