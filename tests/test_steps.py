@@ -1,0 +1,102 @@
+"""How many steps one complete run has, worked out from the cell's own loops (the probe of a
+long cell stops early, so the count cannot always be taken from a whole run)."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchtune_magic.engine import steps
+
+
+def _total(cell: str, line: int, namespace: dict, **kwargs) -> tuple[int | None, list[str]]:
+    return steps.loop_total(ast.parse(textwrap.dedent(cell)), line, namespace, **kwargs)
+
+
+@pytest.fixture
+def loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(96, 2)), batch_size=8)  # 12 batches
+
+
+def test_epochs_around_a_loop_over_the_loader(loader: DataLoader) -> None:
+    cell = """
+    for epoch in range(epochs):
+        for x, in loader:
+            pass
+    """
+    total, parts = _total(cell, 3, {"epochs": 8, "loader": loader}, per_pass=12, iterated=loader)
+    assert total == 96
+    assert parts == ["8 x `range(epochs)` (cell line 2)"]  # the loader's own loop is per_pass
+
+
+@pytest.mark.parametrize(
+    ("loop", "trips"),
+    [
+        ("range(2, n * 3, 2)", 5),  # arithmetic on names, start and step
+        ("tqdm(range(n))", 4),  # wrappers that pass through
+        ("enumerate(items)", 3),
+        ("zip(items, range(10))", 3),
+        ("range(cfg.epochs)", 7),  # an attribute chain
+        ("range(len(items) - 1)", 2),
+    ],
+)
+def test_loop_trip_counts(loop: str, trips: int) -> None:
+    class Config:
+        epochs = 7
+
+    cell = f"for i in {loop}:\n    opt.step()\n"
+    namespace = {"n": 4, "items": ["a", "b", "c"], "cfg": Config()}
+    total, _ = _total(cell, 2, namespace)
+    assert total == trips
+
+
+def test_a_step_issued_through_a_call_counts_the_loops_around_the_call() -> None:
+    cell = """
+    for epoch in range(3):
+        train_one_epoch(model, loader)
+    """
+    assert _total(cell, 3, {}, per_pass=12)[0] == 36
+
+
+def test_loops_inside_functions_the_cell_defines_are_not_the_cells() -> None:
+    cell = """
+    def helper():
+        for i in range(100):
+            pass
+    for i in range(5):
+        helper()
+    """
+    assert _total(cell, 6, {})[0] == 5
+
+
+@pytest.mark.parametrize(
+    ("cell", "why"),
+    [
+        ("while not done:\n    opt.step()\n", "a while loop at cell line 1"),
+        ("for x in stream():\n    opt.step()\n", "`for … in stream()` at cell line 1"),
+        ("for i in range(n_unknown):\n    opt.step()\n", "range(n_unknown)"),
+    ],
+)
+def test_unknown_counts_say_why(cell: str, why: str) -> None:
+    total, parts = _total(cell, 2, {})
+    assert total is None and why in parts[0]
+
+
+def test_the_stop_step_fits_the_budget_and_never_passes_the_last_step() -> None:
+    # 2 configurations, 1 s to step W=2, then 0.1 s a step: 3 rounds of 2 runs in 12 s
+    stop = steps.choose_stop(12.0, 2, lead_s=1.0, step_s=0.1, warmup=2, total=None)
+    assert stop == 2 + 10  # (12 / (2 x 3) - 1) / 0.1 timed steps
+    assert steps.choose_stop(12.0, 2, 1.0, 0.1, 2, total=9) == 8  # stops before the end
+    tight = steps.choose_stop(1.0, 4, 1.0, 0.1, warmup=8, total=None, min_timed=8)
+    assert tight == 16  # never fewer timed steps than asked, even over budget
+
+
+def test_warmup_covers_a_loaders_prefetch_burst() -> None:
+    assert steps.warmup_for(None) == steps.WARMUP_STEPS
+    assert steps.warmup_for(None, steps.prefetch_depth(4, None)) == 8  # 4 workers x 2
+    assert steps.warmup_for(4) == 1  # no room for two warm-up steps and three timed ones
+    assert steps.prefetch_depth(0, None) == 0
