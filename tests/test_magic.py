@@ -38,11 +38,11 @@ def test_training_cell_findings_with_evidence_and_json(ip, tmp_path: Path, capsy
     assert set(by_id) == {"debug-anomaly", "zero-grad-none"}  # no no-grad on a training cell
     anomaly = by_id["debug-anomaly"]
     assert "5 of 5 backward passes" in anomaly.evidence
-    assert anomaly.line == 1 and anomaly.where == "cell line 1"
+    assert anomaly.line == 2 and anomaly.where == "cell line 2"  # the editor's numbering
     assert "-with torch.autograd.detect_anomaly():" in anomaly.code_change.diff
     zero = by_id["zero-grad-none"]
     assert "before 4 of 5 backward passes" in zero.evidence
-    assert zero.where == "opt, cell line 3"
+    assert zero.where == "opt, cell line 4"
     jsonschema.validate(json.loads(path.read_text()), load_schema())
     shown = capsys.readouterr().out
     assert "[debug-anomaly]" in shown and "baseline" in shown  # the static report was displayed
@@ -54,7 +54,7 @@ def test_inference_cell_gets_no_grad_and_trained_one_not(ip):
     report = ip.run_cell(INFERENCE).result
     assert [f.id for f in report.findings] == ["no-grad"]
     finding = report.findings[0]
-    assert finding.where == "model, cell line 3"
+    assert finding.where == "model, cell line 4"
     assert "+with torch.no_grad():" in finding.code_change.diff
     variant = report.variant_for(["no-grad"])
     assert variant.numerics.verdict == "identical"
@@ -110,10 +110,12 @@ def test_usage_errors_are_clear_and_run_nothing(ip, capsys):
     ip.run_cell("ran = 0")
     ip.run_cell("%%perfcheck --checks nope\nran += 1")
     ip.run_cell("%%perfcheck --budget -3\nran += 1")
+    ip.run_cell("%%perfcheck --budget abc\nran += 1")
     out = capsys.readouterr()
     text = out.out + out.err
     assert "unknown check id(s) nope" in text
     assert "--budget must be a positive number" in text
+    assert "%%perfcheck: argument --budget: invalid float value: 'abc'" in text
     assert ip.user_ns["ran"] == 0
 
 
@@ -141,7 +143,11 @@ def test_list_revert_apply_and_unload(ip, capsys):
     assert "perfcheck" in ip.magics_manager.magics["cell"]
 
 
-def test_help_lists_every_option(ip):
+def test_help_lists_every_option(ip, capsys):
+    ip.run_cell("%%perfcheck?")
+    shown = capsys.readouterr().out
+    assert "\n%%perfcheck [--checks IDS] [--skip IDS] [--budget SECONDS]" in shown
+    assert "::" not in shown and "\n  %perfcheck [" not in shown
     doc = ip.magics_manager.magics["cell"]["perfcheck"].__doc__
     for option in (
         "--checks",

@@ -7,8 +7,10 @@ import random
 import numpy as np
 import torch
 
+from torchtune_magic import perfcheck
 from torchtune_magic.engine import discovery, state, timing
 from torchtune_magic.engine.fixes import Patcher
+from torchtune_magic.render import text
 
 
 def test_interleaved_runs_alternate_and_stop_within_budget():
@@ -32,6 +34,18 @@ def test_measurement_flags_noise_and_one_time_cost():
     assert m.median == 1.0 and m.noisy
     assert m.one_time_s == 2.0
     assert timing.Measurement("y", [1.0, 1.0], warmup_s=1.001).one_time_s is None
+
+
+def test_zero_or_sub_microsecond_spread_is_never_noisy():
+    """A cell with no torch work runs in a few µs: its jitter reads "± 0 µs" and is no
+    noise; a real spread of 10% or more still is."""
+    assert not timing.Measurement("still", [2e-6] * 5).noisy
+    jitter = timing.Measurement("jitter", [2.0e-6, 2.4e-6, 2.0e-6, 2.5e-6, 2.1e-6])
+    assert jitter.spread > 0.1 and not jitter.noisy
+    assert timing.Measurement("noisy", [1e-3, 1.3e-3, 1e-3, 1.4e-3, 1.1e-3]).noisy
+    report = perfcheck("x = 1\n", {}, budget=0.5)
+    (baseline,) = [line for line in text.render(report).splitlines() if line.startswith("baseline")]
+    assert not ("± 0 µs" in baseline and "(noisy)" in baseline)
 
 
 def test_snapshot_restores_values_into_the_same_objects():

@@ -12,8 +12,15 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import (
+    MagicHelpFormatter,
+    argument,
+    kwds,
+    magic_arguments,
+    parse_argstring,
+)
 
+from .engine import history
 from .engine.workload import CellError, Workload
 from .options import Options, OptionsError
 from .report import Report
@@ -35,6 +42,14 @@ def _widgets_can_render(shell: Any) -> bool:
     except ImportError:
         return False
     return True
+
+
+class _UsageFormatter(MagicHelpFormatter):
+    """`%%perfcheck?` opens with the cell magic's usage line, `%%perfcheck [--checks IDS]
+    …` (IPython's formatter writes an RST `::` and one `%`, as for a line magic)."""
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: str | None = "%%") -> None:
+        super().add_usage(usage, actions, groups, prefix)
 
 
 @magics_class
@@ -74,6 +89,7 @@ class PerfcheckMagics(Magics):
         help="skip the cell's complete run: the kernel ends as before the cell",
     )
     @argument("command", nargs="*", help="line magic only: `list`, `revert` or `insert`")
+    @kwds(formatter_class=_UsageFormatter)
     @line_cell_magic
     def perfcheck(self, line: str, cell: str | None = None) -> Report | None:
         """Check a cell against the PyTorch Performance Tuning Guide, measure each fix.
@@ -87,14 +103,19 @@ class PerfcheckMagics(Magics):
             and see the code changes.
 
         %perfcheck list     the checks, their ids and guide sections
-        %perfcheck revert   undo every fix still applied by any %%perfcheck run
+        %perfcheck revert   undo every fix still applied by any %%perfcheck run (a name
+                            you rebound since keeps your object)
         %perfcheck insert   put the last run's optimized cell below (the fixes toggled on,
-                            or all of them)
+                            or all of them), after the constructor lines of earlier cells
+                            it rebuilds (a DataLoader with its workers), and say so
 
         Python API: torchtune_magic.perfcheck(cell, namespace, **same options).
         """
         __tracebackhide__ = True
-        args = parse_argstring(self.perfcheck, line)
+        try:
+            args = parse_argstring(self.perfcheck, line)
+        except UsageError as error:  # argparse's own words, e.g. "invalid float value"
+            raise UsageError(f"{'%' if cell is None else '%%'}perfcheck: {error}") from None
         if cell is None:
             return self._line_command(args.command)
         if args.command:
@@ -117,12 +138,37 @@ class PerfcheckMagics(Magics):
         except OptionsError as error:
             raise UsageError(f"%%perfcheck: {error}") from None
         try:
-            workload = Workload(self.shell.transform_cell(cell), self.shell.user_ns)
+            workload = self._workload(line, cell)
         except SyntaxError:
             self.shell.showsyntaxerror()
             return None
         report = self._run(workload, options)
         return report if args.return_report else None
+
+    def _workload(self, line: str, cell: str) -> Workload:
+        """The cell as IPython runs it, numbered as the editor shows it: the `%%perfcheck`
+        line is line 1, and IPython drops blank lines before the first statement, so the
+        code starts further down. The notebook context (the cell as typed, its execution
+        count, the kernel's inputs) lets code changes reach the earlier cells."""
+        code = self.shell.transform_cell(cell)
+        dropped = next((i for i, text in enumerate(cell.splitlines()) if text.strip()), 0)
+        header = f"%%perfcheck {line}" if line else "%%perfcheck"
+        body, count, inputs = cell, None, None
+        manager = self.shell.history_manager
+        running = getattr(self.shell.displayhook, "exec_result", None)
+        stored = manager.input_hist_raw[-1] if manager.input_hist_raw else ""
+        if running is not None and running.execution_count is not None:
+            # stored before it runs (unless run without history): exactly as typed
+            if stored.startswith("%%perfcheck") and stored.partition("\n")[2].strip() == (
+                cell.strip()
+            ):
+                header, _, body = stored.partition("\n")
+                count = running.execution_count
+                inputs = history.Inputs.of_history(manager, count)
+            else:
+                inputs = history.Inputs.of_history(manager, running.execution_count - 1)
+        notebook = history.Notebook(header, body, count, inputs)
+        return Workload.at_line(code, self.shell.user_ns, 2 + dropped, notebook)
 
     def _run(self, workload: Workload, options: Options) -> Report | None:
         __tracebackhide__ = True
@@ -176,24 +222,53 @@ class PerfcheckMagics(Magics):
                 )
             return None
         if command == "revert":
-            reverted = []
+            reverted, notes = [], []
             for session in list(_sessions):
                 reverted.extend(session.applied_ids)
-                session.revert_all()
+                notes.extend(session.revert_all())
             _holding_fixes.clear()
             print(f"reverted: {', '.join(reverted)}" if reverted else "no fix was applied")
+            for note in notes:
+                print(f"left as you rebound it: {note}")
             return None
         if command == "insert":
             session = _latest
             if session is None or not session.detections:
                 raise UsageError("%perfcheck insert: no %%perfcheck run with findings yet")
+            cell, rebuilt, by_hand = session.cell_to_insert()
             # Inside a running cell, so the front end acts on it (a widget click cannot).
-            self.shell.set_next_input(session.suggested_cell(), replace=False)
+            self.shell.set_next_input(cell, replace=False)
+            print(_inserted_text(session, rebuilt, by_hand))
             return None
         raise UsageError(
             f"%perfcheck {shlex.quote(command)}: use `%perfcheck list`, `%perfcheck revert`, "
             "`%perfcheck insert`, or `%%perfcheck [options]` on top of a cell"
         )
+
+
+def _inserted_text(
+    session: Session, rebuilt: list[history.Rebuild], by_hand: list[tuple[str, str]]
+) -> str:
+    """What `%perfcheck insert` put below, in words: which statements of earlier cells it
+    re-runs and why, which fixes the cell carries, and what only an edit by hand makes
+    permanent."""
+    applied = session.applied_ids
+    scope = f"the fixes applied ({', '.join(applied)})" if applied else "every finding"
+    lines = [f"%perfcheck insert: inserted below the optimized cell, with {scope}"]
+    for rebuild in rebuilt:
+        names = ", ".join(f"`{name}`" for name in rebuild.names)
+        lines.append(
+            f"  first it rebuilds {names} as In[{rebuild.execution_count}] does, with the "
+            f"constructor change of {', '.join(rebuild.fixes)} (running it again rebuilds them "
+            f"again; edit In[{rebuild.execution_count}] to keep the change)"
+        )
+    for check_id, where in by_hand:
+        lines.append(
+            f"  not carried: {check_id} changes a constructor inside an object built earlier "
+            f"({where}): edit that cell (see the report's code changes) and re-run the cells "
+            "that build the object"
+        )
+    return "\n".join(lines)
 
 
 def register(shell: Any) -> None:

@@ -15,6 +15,9 @@ from typing import Any
 SCHEMA_ID = "torchtune-magic/report/v1"
 MIME_TYPE = "application/vnd.torchtune-magic.report.v1+json"
 NOISE_THRESHOLD = 0.10  # IQR/median above this is flagged, as torch.utils.benchmark does
+# A spread below this is the clock's and the interpreter's jitter on a run of a few µs (a
+# cell with no torch work): it reads "± 0 µs" and is no sign of a noisy measurement.
+NOISE_FLOOR_S = 1e-6
 NO_CHANGE_BAND = 0.02  # speedups in [1, 1.02) read "no measurable change", never a win
 # What a report is showing: findings with numbers still coming in, the cell's own complete
 # run under way, all done, or stopped by the user (Ctrl-C) before every number was in.
@@ -37,6 +40,14 @@ THROUGHPUT_FIELDS = (
 )
 
 
+def is_noisy(median_s: float | None, iqr_s: float | None) -> bool:
+    """Whether a timing's spread makes it noisy: an IQR above NOISE_THRESHOLD of the
+    median and above NOISE_FLOOR_S. Zero spread is never noisy."""
+    if not median_s or iqr_s is None or iqr_s <= NOISE_FLOOR_S:
+        return False
+    return iqr_s / median_s > NOISE_THRESHOLD
+
+
 def load_schema() -> dict[str, Any]:
     """The shipped JSON Schema for `Report.to_dict()`."""
     text = resources.files("torchtune_magic").joinpath("report.schema.json").read_text()
@@ -44,11 +55,36 @@ def load_schema() -> dict[str, Any]:
 
 
 @dataclass
+class CellChange:
+    """One notebook cell to edit, found by its execution count (None: the %%perfcheck
+    cell itself): its text now (as typed, the `%%perfcheck` line included for the checked
+    cell), its text with the change, and the diff between them. A front end checks that
+    the cell still reads `before` and replaces it with `after`."""
+
+    execution_count: int | None
+    before: str
+    after: str
+    diff: str
+
+
+@dataclass
 class CodeChange:
-    """How to make a fix permanent: a diff of the cell and edits to make elsewhere."""
+    """How to make a fix permanent: a diff of the cell, the notebook cells to edit (the
+    checked one and the earlier ones that built the objects), and what to change where no
+    cell could be found."""
 
     diff: str = ""
     elsewhere: list[str] = field(default_factory=list)
+    cells: list[CellChange] = field(default_factory=list)
+
+
+@dataclass
+class NotebookEdits:
+    """Every cell to edit for a set of fixes (those applied, or all): several fixes
+    editing one cell are combined into one entry."""
+
+    fixes: list[str]
+    cells: list[CellChange]
 
 
 @dataclass
@@ -203,6 +239,7 @@ class Report:
     sampling: Sampling | None = None  # set when runs were cut at a step
     cell_run: CellRun | None = None
     oom: OutOfMemory | None = None  # the cell ran out of memory (then nothing was timed)
+    notebook_edits: NotebookEdits | None = None  # the applied fixes' cells (all fixes' if none)
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -234,9 +271,13 @@ class Report:
             for key in (*THROUGHPUT_FIELDS, *OPTIONAL_MEASUREMENT_FIELDS):
                 if stats.get(key, 0) is None:
                     del stats[key]  # optional: reports without them read as before
-        for key in ("sampling", "cell_run", "oom"):
+        for key in ("sampling", "cell_run", "oom", "notebook_edits"):
             if data[key] is None:
                 del data[key]
+        for finding in data["findings"]:
+            change = finding.get("code_change")
+            if change is not None and not change["cells"]:
+                del change["cells"]  # optional: a finding without cell edits reads as before
         if data["phase"] == "done":
             del data["phase"]  # absent means done: a finished report reads as v1 always did
         ordered = {"schema": SCHEMA_ID}
@@ -259,9 +300,11 @@ class Report:
         findings = []
         for f in data.get("findings", []):
             change = f.get("code_change")
-            findings.append(
-                Finding(**{**f, "code_change": CodeChange(**change) if change else None})
-            )
+            if change:
+                cells = [CellChange(**c) for c in change.get("cells", [])]
+                change = CodeChange(**{**change, "cells": cells})
+            findings.append(Finding(**{**f, "code_change": change or None}))
+        edits = data.get("notebook_edits")
         variants = [
             Variant(**{**v, "numerics": Numerics(**v.get("numerics", {}))})
             for v in data.get("variants", [])
@@ -282,6 +325,11 @@ class Report:
             sampling=Sampling(**data["sampling"]) if data.get("sampling") else None,
             cell_run=CellRun(**data["cell_run"]) if data.get("cell_run") else None,
             oom=OutOfMemory(**data["oom"]) if data.get("oom") else None,
+            notebook_edits=(
+                NotebookEdits(edits["fixes"], [CellChange(**c) for c in edits["cells"]])
+                if edits
+                else None
+            ),
         )
 
     def __repr__(self) -> str:

@@ -34,6 +34,7 @@ from .engine import (
     codeedit,
     discovery,
     fixes,
+    history,
     memory,
     numerics,
     oom,
@@ -45,7 +46,17 @@ from .engine import (
 )
 from .engine.workload import CellError, Workload, captured, silenced
 from .options import Options
-from .report import CellRun, NotApplicable, OutOfMemory, Report, Sampling, Stats, Variant
+from .report import (
+    CellRun,
+    CodeChange,
+    NotApplicable,
+    NotebookEdits,
+    OutOfMemory,
+    Report,
+    Sampling,
+    Stats,
+    Variant,
+)
 
 BASELINE = "baseline"
 SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5
@@ -128,6 +139,8 @@ class Session:
         # each fix's one-time cost the first time it ran alone (its artifacts, such as a
         # compiled module, are cached on the fix, so a later set with it pays nothing again)
         self._first_costs: dict[str, float] = {}
+        # notebook edits by the fix ids they are for (they change only with the applied set)
+        self._notebook_edits: dict[tuple[str, ...], NotebookEdits | None] = {}
 
     # the one-shot flow ----------------------------------------------------------------------
     def run(self) -> Report:
@@ -227,6 +240,7 @@ class Session:
                 self.not_applicable.append(NotApplicable(check.id, reason))
                 continue
             self.detections.extend(check.detect(obs))
+        self._attach_cell_changes()
         return self.detections
 
     def finish(self) -> None:
@@ -398,6 +412,55 @@ class Session:
             if d.fixed_source is not None and (check_ids is None or d.finding.id in check_ids)
         ]
         return codeedit.combine(self.workload.source, versions)
+
+    def notebook_edits(self) -> NotebookEdits | None:
+        """Every notebook cell to edit for the fixes applied now (for all, when none is):
+        the earlier cells that built the objects and the checked cell, several fixes'
+        edits of one cell in one entry. None when no cell changes."""
+        chosen = [d for d in self._chosen() if d.fixed_source is not None or d.earlier]
+        key = tuple(d.finding.id for d in chosen)
+        if key not in self._notebook_edits:
+            cells = history.cell_changes(
+                self.workload,
+                [d.fixed_source for d in chosen if d.fixed_source is not None],
+                [edit for d in chosen for edit in d.earlier],
+            )
+            self._notebook_edits[key] = NotebookEdits(list(key), cells) if cells else None
+        return self._notebook_edits[key]
+
+    def cell_to_insert(self) -> tuple[str, list[history.Rebuild], list[tuple[str, str]]]:
+        """What `%perfcheck insert` puts below: the suggested cell as typed, preceded by the
+        earlier cells' statements that rebuild the loaders and optimizers the fixes change
+        (the live fixes do not outlive the kernel; these lines carry the biggest wins).
+        Returns the cell, those rebuilds, and (fix id, what to edit by hand) for changes a
+        statement cannot carry (a model's convs: rebuilding the model resets its weights)."""
+        typed = history.as_typed(self.workload, self.suggested_cell()).splitlines(keepends=True)
+        body = "".join(typed[next((i for i, t in enumerate(typed) if t.strip()), 0) :])
+        edits = [(d.finding.id, edit) for d in self._chosen() for edit in d.earlier]
+        rebuilt, left = history.rebuilds(self.workload.notebook, edits)
+        head = [
+            f"# from In[{r.execution_count}] with {', '.join(r.fixes)}:\n{r.text}\n"
+            for r in rebuilt
+        ]
+        cell = "".join(head) + ("\n" if head else "") + body
+        by_hand = [(check, f"In[{edit.execution_count}] line {edit.line}") for check, edit in left]
+        return cell, rebuilt, by_hand
+
+    def _chosen(self) -> list[Detection]:
+        """The detections whose changes count now: the applied fixes', or all of them."""
+        applied = set(self.applied_ids)
+        return [d for d in self.detections if not applied or d.finding.id in applied]
+
+    def _attach_cell_changes(self) -> None:
+        """Each finding's own notebook cells to edit (`code_change.cells`)."""
+        for detection in self.detections:
+            versions = [detection.fixed_source] if detection.fixed_source is not None else []
+            cells = history.cell_changes(self.workload, versions, detection.earlier)
+            if not cells:
+                continue
+            if detection.finding.code_change is None:
+                detection.finding.code_change = CodeChange()
+            detection.finding.code_change.cells = cells
 
     # measuring ------------------------------------------------------------------------------
     def measure(
@@ -937,7 +1000,7 @@ class Session:
             not_applicable=list(self.not_applicable),
             applied=self.applied_ids,
             warnings=list(self.warnings),
-            cell=self.workload.source,
+            cell=self.workload.cell,
             run_id=self.run_id,
             budget_s=budget_s,
             elapsed_s=elapsed_s,
@@ -945,6 +1008,7 @@ class Session:
             sampling=self._sampling(),
             cell_run=self.cell_run,
             oom=self.oom,
+            notebook_edits=self.notebook_edits(),
         )
 
     def _sampling(self) -> Sampling | None:

@@ -41,18 +41,19 @@ def _checkpointed(forward: Any) -> Any:
 
 class CheckpointFix(Fix):
     """Each block's instance `forward` becomes a checkpointed call of its own forward; undo
-    deletes the instance attribute (or puts back one the user had set)."""
+    deletes the instance attribute (or puts back one the user had set), unless the user
+    has set a `forward` of their own on the block meanwhile."""
 
     check_id = "activation-checkpointing"
     saves_memory = True
 
-    def __init__(self, blocks: list[torch.nn.Module]):
+    def __init__(self, blocks: dict[str, torch.nn.Module]):
         super().__init__()
-        self.blocks = blocks
+        self.blocks = blocks  # by module path, e.g. "model.blocks.0"
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
-        for block in self.blocks:
-            patcher.setattr(block, "forward", _checkpointed(block.forward))
+        for path, block in self.blocks.items():
+            patcher.assign(block, "forward", _checkpointed(block.forward), f"{path}.forward")
 
 
 def _is_block(module: torch.nn.Module) -> bool:
@@ -132,6 +133,8 @@ class ActivationCheckpointingCheck(Check):
             if share is not None:
                 evidence += f" ({share:.0%} {device_label})"
         first = obs.module_path(found[0][0])
+        fix = CheckpointFix({obs.module_path(block): block for block in blocks})
+        fix.seen = obs.places_of(*blocks)
         return [
             Detection(
                 self.finding(
@@ -151,6 +154,6 @@ class ActivationCheckpointingCheck(Check):
                         ],
                     ),
                 ),
-                CheckpointFix(blocks),
+                fix,
             )
         ]

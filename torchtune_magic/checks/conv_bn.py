@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..engine import discovery, history
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from ..engine.probe import Observation
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+BIAS_POSITION = 7  # Conv1d/2d/3d(in, out, kernel_size, stride, padding, dilation, groups, bias)
 SHOWN = 4  # pairs named in the evidence before "and N more"
 
 
@@ -156,6 +158,41 @@ def _built_in_cell(obs: Observation, module: nn.Module) -> bool:
     )
 
 
+def _earlier_edits(obs: Observation, pairs: list[_Pair]) -> list[tuple[str, history.CallEdit]]:
+    """`bias=False` on the constructor call of each paired conv, in the earlier cell that
+    built it: (module path, edit). A call that also built a conv outside the pairs (one
+    `self.conv1 = ...` in a block class whose other uses feed no BatchNorm) is left alone."""
+    workload = obs.workload
+
+    def edit_of(path: str) -> history.CallEdit | None:
+        return history.keyword_edit(
+            workload.notebook,
+            workload.namespace,
+            history.module_path(path),
+            {"bias": "False"},
+            {"bias": BIAS_POSITION},
+        )
+
+    paired = {id(pair.conv) for pair in pairs}
+    found = [(obs.module_path(pair.conv), edit_of(obs.module_path(pair.conv))) for pair in pairs]
+    wanted = [(path, edit) for path, edit in found if edit is not None]
+    if not wanted:
+        return []
+    models = {id(entry.obj): entry.obj for entry in discovery.top_level_modules(obs.found)}
+    others = [
+        module
+        for model in models.values()
+        for module in model.modules()
+        if isinstance(module, CONVS) and module.bias is not None and id(module) not in paired
+    ]
+    shared = {_site(edit_of(obs.module_path(conv))) for conv in others} - {None}
+    return [(path, edit) for path, edit in wanted if _site(edit) not in shared]
+
+
+def _site(edit: history.CallEdit | None) -> tuple[int, int, int] | None:
+    return (edit.execution_count, edit.line, edit.col) if edit is not None else None
+
+
 class ConvBiasBNCheck(Check):
     id = "conv-bias-bn"
     title = "A convolution's bias is cancelled by the BatchNorm right after it"
@@ -187,6 +224,9 @@ class ConvBiasBNCheck(Check):
             )
         else:
             fix = DropConvBiasFix(pairs)
+            fix.seen = obs.places_of(*(pair.conv for pair in pairs))
+        earlier = _earlier_edits(obs, pairs)
+        edited = {path for path, _ in earlier}
         return [
             Detection(
                 self.finding(
@@ -205,10 +245,12 @@ class ConvBiasBNCheck(Check):
                         [
                             f"{path}: {_constructor(pair.conv)}"
                             for path, pair in zip(paths, pairs, strict=True)
+                            if path not in edited
                         ],
                     ),
                 ),
                 fix,
                 None,
+                list(dict.fromkeys(edit for _, edit in earlier)),
             )
         ]

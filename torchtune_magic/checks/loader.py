@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..engine import codeedit, steps
+from ..engine import codeedit, fixes, history, steps
 from ..engine.fixes import Fix, Patcher
 from ..engine.state import _RNGState
 from ..report import CodeChange
@@ -183,20 +183,35 @@ class _LoaderPlan:
             shutdown(loader)
 
     def want(self, fix: Fix, overrides: dict[str, Any], namespace: dict[str, Any]) -> None:
+        """Rebind to the loader with `fix`'s settings added. Raises `fixes.Rebound`, before
+        changing anything, where a place no longer holds the plan's loader (the user bound
+        a loader of their own there since the probe ran)."""
+        current = self._current()
+        for location in self.locations:
+            fixes.expect(namespace, location, current)
         self.wanted[id(fix)] = overrides
-        self._rebind(namespace)
+        self._rebind(namespace, current, [])
 
-    def drop(self, fix: Fix, namespace: dict[str, Any]) -> None:
+    def drop(self, fix: Fix, namespace: dict[str, Any], notes: list[str]) -> None:
+        """Rebind to the loader without `fix`'s settings, except where the user has bound
+        another object since (left there, with a note in `notes`)."""
+        current = self._current()
         self.wanted.pop(id(fix), None)
-        self._rebind(namespace)
+        self._rebind(namespace, current, notes)
 
-    def _rebind(self, namespace: dict[str, Any]) -> None:
+    def _current(self) -> DataLoader:
+        """The loader the plan has put in place: built from every wanted setting."""
         merged: dict[str, Any] = {}
         for overrides in self.wanted.values():
             merged.update(overrides)
-        target = self.loader_for(merged)
+        return self.loader_for(merged)
+
+    def _rebind(self, namespace: dict[str, Any], current: DataLoader, notes: list[str]) -> None:
+        target = self._current()
         for location in self.locations:
-            location.set(namespace, target)
+            note = fixes.replace_held(namespace, location, current, target)
+            if note is not None:
+                notes.append(note)
 
     def close(self) -> None:
         """Stop every rebuilt loader's workers; a later fix gets a fresh plan."""
@@ -367,33 +382,25 @@ def pick_workers(plan: _LoaderPlan, use: LoaderUse) -> tuple[int | None, list[Tr
 # source edits -----------------------------------------------------------------------------
 
 
-def _call_at(tree: ast.Module, line: int, names: set[str]) -> ast.Call | None:
-    for call in codeedit.calls_named(tree, names):
-        if call.lineno == line:
-            return call
-    return None
-
-
 def with_keywords(source: str, line: int, names: set[str], values: dict[str, str]) -> str:
-    """The cell with the call of `names` starting at `line` given these keyword values
-    (replacing a keyword or known positional argument already there, else appending)."""
-    for key, text in values.items():
-        call = _call_at(ast.parse(source), line, names)
-        if call is None:
-            return source
-        existing = next((k.value for k in call.keywords if k.arg == key), None)
-        if existing is None and key in POSITIONAL and len(call.args) > POSITIONAL[key]:
-            existing = call.args[POSITIONAL[key]]
-        if existing is not None:
-            source = codeedit.replace_node(source, existing, text)
+    """The text with the DataLoader call of `names` at `line` given these keyword values
+    (replacing a keyword or DataLoader positional argument already there, else appending)."""
+    return codeedit.with_keywords(source, line, names, values, POSITIONAL)
+
+
+def _earlier_edit(
+    obs: Observation, target: _Target, values: dict[str, str]
+) -> history.CallEdit | None:
+    """The loader's constructor call in the earlier cell that built it, given `values`."""
+    for location in target.locations:
+        path = history.location_path(location)
+        if path is None:
             continue
-        segment = ast.get_source_segment(source, call) or ""
-        head = segment[: segment.rindex(")")].rstrip()
-        joiner = "" if head.endswith(("(", ",")) else ", "
-        if head.endswith(","):
-            joiner = " "
-        source = codeedit.replace_node(source, call, f"{head}{joiner}{key}={text})")
-    return source
+        workload = obs.workload
+        edit = history.keyword_edit(workload.notebook, workload.namespace, path, values, POSITIONAL)
+        if edit is not None:
+            return edit
+    return None
 
 
 def _class_names(loader: DataLoader) -> set[str]:
@@ -422,7 +429,7 @@ def _target(obs: Observation, use: LoaderUse) -> _Target:
     unreachable = None
     if use.built_in_cell:
         if use.built_line is not None:
-            cell_call = _call_at(obs.tree, use.built_line, _class_names(loader))
+            cell_call = codeedit.call_at(obs.tree, use.built_line, _class_names(loader))
         if cell_call is None:
             where = f" at cell line {use.built_line}" if use.built_line else ""
             unreachable = (
@@ -459,7 +466,7 @@ class _LoaderFix(Fix):
         if plan is not None:
             patcher.call(
                 lambda: plan.want(self, self.overrides, namespace),
-                lambda: plan.drop(self, namespace),
+                lambda: plan.drop(self, namespace, patcher.notes),
             )
 
     def edit_source(self, source: str) -> str:
@@ -547,7 +554,8 @@ class WorkersCheck(Check):
                 return with_keywords(text, line, names, values)
 
             fixed = cell_edit(source)
-        else:
+        earlier = _earlier_edit(obs, target, values) if target.cell_call is None else None
+        if target.cell_call is None and earlier is None:
             elsewhere.append(
                 f"{target.name}: build it with {type(loader).__name__}(..., "
                 f"num_workers={shown_k}, persistent_workers=True)"
@@ -577,6 +585,7 @@ class WorkersCheck(Check):
             ),
             fix,
             fixed,
+            [earlier] if earlier else [],
         )
 
 
@@ -620,7 +629,10 @@ class PinMemoryCheck(Check):
 
         fixed = cell_edit(source)
         elsewhere = []
+        earlier = None
         if target.cell_call is None:
+            earlier = _earlier_edit(obs, target, {"pin_memory": "True"})
+        if target.cell_call is None and earlier is None:
             elsewhere.append(
                 f"{target.name}: build it with {type(loader).__name__}(..., pin_memory=True)"
             )
@@ -651,4 +663,5 @@ class PinMemoryCheck(Check):
             ),
             fix,
             fixed,
+            [earlier] if earlier else [],
         )

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit
+from ..engine import codeedit, history
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
-from .loader import with_keywords
 
 if TYPE_CHECKING:
     from ..engine.discovery import Location
@@ -116,10 +115,7 @@ class FusedOptimizerFix(Fix):
         old, new = self.original, self.fused()
         patcher.call(lambda: load_fused_state(new, old), lambda: carry_back(new, old))
         for location in self.locations:
-            patcher.call(
-                lambda loc=location: loc.set(namespace, new),
-                lambda loc=location: loc.set(namespace, old),
-            )
+            patcher.rebind(namespace, location, old, new)
         for scheduler in self.schedulers:
             patcher.setattr(scheduler, "optimizer", new)
 
@@ -148,8 +144,8 @@ class FusedOptimizerCheck(Check):
         self, obs: Observation, optimizer: torch.optim.Optimizer, steps: int, n_params: int
     ) -> Detection:
         cls = type(optimizer).__name__
-        entry = obs.found.get(id(optimizer))
-        name = entry.name if entry and entry.locations else cls
+        locations = obs.lasting_locations(optimizer)
+        name = str(locations[0]) if locations else cls
         foreach = optimizer.param_groups[0].get("foreach")
         how = "the for-loop (foreach=False)" if foreach is False else "the default foreach"
         evidence = (
@@ -164,22 +160,26 @@ class FusedOptimizerCheck(Check):
         if id(optimizer) not in obs.preexisting:
             # built by the cell: each run makes a new one, so the cell text is what changes
             if len(calls) == 1 and not any(k.arg == "foreach" for k in calls[0].keywords):
-                fixed = with_keywords(source, calls[0].lineno, {cls}, {"fused": "True"})
+                fixed = codeedit.with_keywords(source, calls[0].lineno, {cls}, {"fused": "True"})
                 fix = _SourceFused(calls[0].lineno, cls)
             else:
                 evidence += "; not applied live: the cell builds it in a way this tool won't edit"
-        elif entry and entry.locations and all(loc.rebindable for loc in entry.locations):
+        elif locations and all(loc.rebindable for loc in locations):
             schedulers = [
                 found.obj
                 for found in obs.found.values()
                 if isinstance(found.obj, torch.optim.lr_scheduler.LRScheduler)
                 and found.obj.optimizer is optimizer
             ]
-            fix = FusedOptimizerFix(optimizer, list(entry.locations), schedulers)
+            fix = FusedOptimizerFix(optimizer, locations, schedulers)
+            fix.seen = [(loc, optimizer) for loc in locations]
         else:
             evidence += "; not applied live: no rebindable notebook name reaches it"
+        earlier = None
         if id(optimizer) in obs.preexisting:
-            elsewhere.append(f"{name}: build it with torch.optim.{cls}(..., fused=True)")
+            earlier = _earlier_edit(obs, locations)
+            if earlier is None:
+                elsewhere.append(f"{name}: build it with torch.optim.{cls}(..., fused=True)")
         return Detection(
             self.finding(
                 evidence=evidence,
@@ -193,7 +193,22 @@ class FusedOptimizerCheck(Check):
             ),
             fix,
             fixed if fixed != source else None,
+            [earlier] if earlier else [],
         )
+
+
+def _earlier_edit(obs: Observation, locations: list[Location]) -> history.CallEdit | None:
+    """`fused=True` on the optimizer's constructor in the earlier cell that built it."""
+    for location in locations:
+        path = history.location_path(location)
+        if path is not None:
+            workload = obs.workload
+            edit = history.keyword_edit(
+                workload.notebook, workload.namespace, path, {"fused": "True"}
+            )
+            if edit is not None:
+                return edit
+    return None
 
 
 class _SourceFused(Fix):
@@ -208,4 +223,4 @@ class _SourceFused(Fix):
         self.cls = cls
 
     def edit_source(self, source: str) -> str:
-        return with_keywords(source, self.line, {self.cls}, {"fused": "True"})
+        return codeedit.with_keywords(source, self.line, {self.cls}, {"fused": "True"})

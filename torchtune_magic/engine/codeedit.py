@@ -2,26 +2,82 @@
 
 Edits work on AST positions, keep the user's formatting everywhere else, and produce a
 unified diff the renderers show as "the change to make".
+
+Under a `%%perfcheck` line the cell's text starts with blank lines standing for the lines
+above it in the editor (`Workload.first_line`), so AST positions, tracebacks and diff hunks
+all count lines as the editor does; edits keep those blank lines in place.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import re
 from collections.abc import Iterator
 
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
-def unified_diff(old: str, new: str) -> str:
+
+def unified_diff(old: str, new: str, old_label: str = "cell", new_label: str = "") -> str:
+    """A unified diff (one line of context). Blank context lines opening a hunk are left
+    out: at the top of the cell they stand for the editor's `%%perfcheck` line and the
+    blank lines after it, which the cell text only pads, and elsewhere they show nothing."""
     if old == new:
         return ""
-    lines = difflib.unified_diff(
-        old.splitlines(keepends=True),
-        new.splitlines(keepends=True),
-        "cell",
-        "cell (optimized)",
-        n=1,
+    lines = list(
+        difflib.unified_diff(
+            old.splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            old_label,
+            new_label or f"{old_label} (optimized)",
+            n=1,
+        )
     )
-    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    out = lines[:2]
+    for line in lines[2:]:
+        if line.startswith("@@") or not out[-1].startswith("@@") or line.strip():
+            out.append(line)
+        else:
+            out[-1] = _shifted(out[-1])  # a blank context line right after the header
+    return "".join(line if line.endswith("\n") else line + "\n" for line in out)
+
+
+def _shifted(header: str) -> str:
+    """A hunk header with its first (context) line left out."""
+    match = _HUNK.match(header)
+    if match is None:
+        return header
+    old_start, new_start = int(match.group(1)), int(match.group(3))
+    old_len, new_len = int(match.group(2) or 1), int(match.group(4) or 1)
+    return f"@@ -{_range(old_start + 1, old_len - 1)} +{_range(new_start + 1, new_len - 1)} @@\n"
+
+
+def _range(start: int, length: int) -> str:
+    """A unified-diff range as difflib writes it ("3", "3,2", or "2,0" for none)."""
+    if length == 1:
+        return str(start)
+    if length == 0:
+        return f"{start - 1},0"
+    return f"{start},{length}"
+
+
+def rebase(typed: str, python: str, edited: str) -> str | None:
+    """Carry `edited` (an edit of `python`, which is IPython's transform of `typed`) onto
+    `typed`: changed lines replace their typed counterparts, the rest stays as typed (a
+    `%matplotlib` line stays a magic). None when the lines do not correspond (IPython's
+    transform changed their number beyond dropping leading blank lines)."""
+    if edited == python:
+        return typed
+    typed_lines, python_lines = typed.splitlines(), python.splitlines()
+    lead = next((i for i, line in enumerate(typed_lines) if line.strip()), len(typed_lines))
+    if len(typed_lines) - lead != len(python_lines):
+        return None
+    edited_lines = edited.splitlines()
+    out = typed_lines[:lead]
+    matcher = difflib.SequenceMatcher(a=python_lines, b=edited_lines, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        out += typed_lines[lead + i1 : lead + i2] if tag == "equal" else edited_lines[j1:j2]
+    return "\n".join(out) + ("\n" if typed.endswith("\n") else "")
 
 
 def combine(source: str, fixed_versions: list[str]) -> str:
@@ -160,6 +216,48 @@ def replace_nodes(source: str, edits: list[tuple[ast.AST, str]]) -> str:
     ordered = sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True)
     for node, text in ordered:
         source = replace_node(source, node, text)
+    return source
+
+
+def call_at(
+    tree: ast.Module, line: int, names: set[str], col: int | None = None
+) -> ast.Call | None:
+    """The call of one of `names` that starts at `line` (and column `col`, when given)."""
+    for call in calls_named(tree, names):
+        if call.lineno == line and (col is None or call.col_offset == col):
+            return call
+    return None
+
+
+def with_keywords(
+    source: str,
+    line: int,
+    names: set[str],
+    values: dict[str, str],
+    positional: dict[str, int] | None = None,
+    col: int | None = None,
+) -> str:
+    """The text with the call of `names` at `line` (and `col`) given these keyword values:
+    a keyword already there, or an argument given by position (`positional`: keyword ->
+    index), is replaced; otherwise the keyword is appended. Line starts do not move, so
+    several such edits of one text can be made one after the other."""
+    positional = positional or {}
+    for key, text in values.items():
+        call = call_at(ast.parse(source), line, names, col)
+        if call is None:
+            return source
+        existing = next((k.value for k in call.keywords if k.arg == key), None)
+        if existing is None and key in positional and len(call.args) > positional[key]:
+            existing = call.args[positional[key]]
+        if existing is not None:
+            source = replace_node(source, existing, text)
+            continue
+        segment = ast.get_source_segment(source, call) or ""
+        head = segment[: segment.rindex(")")].rstrip()
+        joiner = "" if head.endswith(("(", ",")) else ", "
+        if head.endswith(","):
+            joiner = " "
+        source = replace_node(source, call, f"{head}{joiner}{key}={text})")
     return source
 
 

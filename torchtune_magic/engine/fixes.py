@@ -74,11 +74,12 @@ def left_note(label: str) -> str:
     )
 
 
-def put_back(namespace: dict[str, Any], location: Location, ours: Any, old: Any) -> str | None:
-    """Undo one rebinding: `old` goes back only where `ours` still is; else a note."""
+def replace_held(namespace: dict[str, Any], location: Location, ours: Any, new: Any) -> str | None:
+    """Put `new` where `ours` (what a fix put there) still is; a place the user has rebound
+    since is left as it is, and the note saying so is returned."""
     if not holds(namespace, location, ours):
         return left_note(str(location))
-    location.set(namespace, old)
+    location.set(namespace, new)
     return None
 
 
@@ -155,7 +156,7 @@ class Patcher:
         location.set(namespace, new)
 
         def restore() -> None:
-            note = put_back(namespace, location, new, old)
+            note = replace_held(namespace, location, new, old)
             if note is not None:
                 self.notes.append(note)
 
@@ -263,7 +264,9 @@ class Fix:
 def applied(fixes: list[Fix], namespace: dict[str, Any]) -> Iterator[None]:
     """Apply `fixes` for the duration of the block; undo them all however it ends.
 
-    Already-applied fixes are left as they were (they belong to the caller).
+    Already-applied fixes are left as they were (they belong to the caller). Undo notes
+    are dropped: these are measuring runs, where a name the cell rebinds is the cell's own
+    doing and the next run starts from the restored start state.
     """
     ours: list[Fix] = []
     try:
@@ -288,7 +291,8 @@ def combined_context(fixes: list[Fix], namespace: dict[str, Any]) -> Iterator[No
 
 @contextlib.contextmanager
 def patched(build: Callable[[Patcher], None]) -> Iterator[None]:
-    """A run context made of patches: `build` patches, the block runs, all is undone."""
+    """A run context made of patches: `build` patches, the block runs, all is undone (a
+    name the cell rebound meanwhile stays as the cell left it)."""
     patcher = Patcher()
     try:
         build(patcher)

@@ -208,6 +208,22 @@ class Observation:
             return []
         return [loc for loc in entry.locations if loc.steps[0].key in self.names_before]
 
+    def places_of(self, *objs: Any) -> list[tuple[discovery.Location, Any]]:
+        """Where the probe saw these objects, or the models holding them when they are
+        submodules, from names bound before the cell: a fix that changes them checks, when
+        applied, that each place still holds what it held (`Fix.seen`), so it never
+        changes an object the user has replaced since."""
+        wanted = {id(obj) for obj in objs}
+        places = []
+        for entry in self.found.values():
+            held = id(entry.obj) in wanted or (
+                isinstance(entry.obj, torch.nn.Module)
+                and any(id(sub) in wanted for sub in entry.obj.modules())
+            )
+            if held:
+                places.extend((loc, entry.obj) for loc in self.lasting_locations(entry.obj))
+        return places
+
     def module_path(self, module: torch.nn.Module) -> str:
         """`model.layer1.0.conv1` for a submodule, the namespace path for a top-level one."""
         for entry in discovery.top_level_modules(self.found):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from torch.utils.benchmark import Measurement as _BenchMeasurement
 from torch.utils.benchmark.utils.common import TaskSpec
 
-from ..report import NOISE_THRESHOLD
+from ..report import is_noisy
 
 Progress = Callable[[float, str], None]  # (fraction done 0..1, message)
 RunDone = Callable[[str, "Measurement"], None]  # after each run: (label, its measurement)
@@ -58,7 +58,7 @@ class Measurement:
 
     @property
     def noisy(self) -> bool:
-        return self.spread > NOISE_THRESHOLD
+        return is_noisy(self.median, self.iqr)
 
     @property
     def one_time_s(self) -> float | None:

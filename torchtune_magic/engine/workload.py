@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import history
 from .fixes import Patcher
 
 _counter = itertools.count(1)
@@ -71,17 +72,56 @@ def _logging_handlers() -> list[logging.StreamHandler]:
 
 @dataclass
 class Workload:
-    """The cell source and the namespace it runs in."""
+    """The cell source and the namespace it runs in.
+
+    `source` is the text the engine runs, checks and edits. Under a `%%perfcheck` line the
+    cell's first line is line 2 (or more) in the editor: `at_line` starts `source` with
+    that many blank lines less one, so that every line number — in code objects and so in
+    tracebacks, in the AST, in findings and in diff hunks — is the editor's. `cell` is the
+    text as given; the Python API (`first_line` 1) keeps the text's own numbering.
+    """
 
     source: str
     namespace: dict[str, Any]
     filename: str = field(default="")
+    first_line: int = 1  # the editor line of the cell's first line; `source` is padded to it
+    # where the cell sits in the notebook (its text as typed, execution count, the kernel's
+    # input history): for the code changes to earlier cells. Default: read from `In`.
+    notebook: history.Notebook | None = None
     _compiled: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.filename:
             self.filename = f"<perfcheck-cell-{next(_counter)}>"
         self.tree = ast.parse(self.source, self.filename)  # SyntaxError surfaces before any run
+        if self.notebook is None:
+            self.notebook = history.Notebook.of_namespace(self.cell, self.namespace)
+
+    @classmethod
+    def at_line(
+        cls,
+        cell: str,
+        namespace: dict[str, Any],
+        first_line: int,
+        notebook: history.Notebook | None = None,
+    ) -> Workload:
+        """The cell whose first line is the editor's line `first_line` (a SyntaxError
+        names the editor's line)."""
+        padded = "\n" * (first_line - 1) + cell
+        return cls(padded, namespace, first_line=first_line, notebook=notebook)
+
+    @property
+    def cell(self) -> str:
+        return self.as_typed(self.source)
+
+    def as_typed(self, text: str) -> str:
+        """`source`, or a text edited from it, without the blank lines standing for the
+        editor's lines above the cell: what the user would paste into the cell."""
+        lines = text.splitlines(keepends=True)
+        padding = 0
+        while padding < min(self.first_line - 1, len(lines)) and not lines[padding].strip():
+            padding += 1
+        return "".join(lines[padding:])
 
     def code_for(self, source: str | None = None) -> Any:
         """Compile (once per distinct text); registered in linecache so tracebacks show lines."""

@@ -1,0 +1,195 @@
+"""Making a fix permanent: real diffs of the earlier cells that built the objects.
+
+In a real IPython shell with execution counts (cells stored in its history, as a kernel
+does), the constructors are found in the cells that ran them: the DataLoader call gets
+`num_workers`/`persistent_workers`, the convs of a class or an `nn.Sequential` get
+`bias=False`, the optimizer gets `fused=True`. The report carries them per finding and
+combined (`notebook_edits`), and `%perfcheck insert` carries the loader's rebuild.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import jsonschema
+import torch
+from torch.utils.data import Dataset
+
+from torchtune_magic.engine import history
+from torchtune_magic.report import Report, load_schema
+
+CLASS_CELL = """class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.features = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        return self.head(torch.relu(self.features(x)).mean((2, 3)))"""
+MODEL_CELL = """model = Net()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+sched = torch.optim.lr_scheduler.StepLR(opt, 10)"""
+LOADER_CELL = """%precision 3
+loader = DataLoader(SlowImages(32), batch_size=8, shuffle=True)"""
+CHECKED = """%%perfcheck -o -q --budget 1 --checks dataloader-workers,conv-bias-bn,zero-grad-none
+
+for x, y in loader:
+    opt.zero_grad(set_to_none=False)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()"""
+
+
+class SlowImages(Dataset):
+    """Images that take a while to load (a sleep: workers overlap it on any core count)."""
+
+    def __init__(self, n: int):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 3, 8, 8, generator=generator)
+        self.y = torch.randn(n, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.002)
+        return self.x[index], self.y[index]
+
+
+def _cells(ip) -> dict[str, int]:
+    """Run the set-up as notebook cells (stored in the history); their execution counts."""
+    ip.user_ns["SlowImages"] = SlowImages
+    counts = {}
+    for name, code in [
+        ("imports", "from torch.utils.data import DataLoader"),
+        ("class", CLASS_CELL),
+        ("model", MODEL_CELL),
+        ("loader", LOADER_CELL),
+    ]:
+        counts[name] = ip.execution_count
+        assert ip.run_cell(code, store_history=True).error_in_exec is None
+    return counts
+
+
+def test_earlier_cells_get_diffs_for_the_loader_and_the_convs_with_execution_counts(ip):
+    counts = _cells(ip)
+    report = ip.run_cell(CHECKED, store_history=True).result
+    workers = report.finding("dataloader-workers")
+    k = ip.user_ns["loader"].num_workers or re.search(r"(\d+) chosen", workers.evidence)[1]
+    loader_line = "loader = DataLoader(SlowImages(32), batch_size=8, shuffle=True, "
+    loader_after = f"%precision 3\n{loader_line}num_workers={k}, persistent_workers=True)"
+
+    (loader_cell,) = workers.code_change.cells
+    assert loader_cell.execution_count == counts["loader"]
+    assert loader_cell.before == LOADER_CELL  # as typed: the magic line stays a magic
+    assert loader_cell.after == loader_after
+    assert loader_cell.diff.splitlines()[:4] == [
+        f"--- In[{counts['loader']}]",
+        f"+++ In[{counts['loader']}] (optimized)",
+        "@@ -1,2 +1,2 @@",
+        " %precision 3",
+    ]
+    assert workers.code_change.elsewhere == []  # a real diff, not a hint
+
+    convs = report.finding("conv-bias-bn")
+    (class_cell,) = convs.code_change.cells
+    assert class_cell.execution_count == counts["class"]
+    assert class_cell.after == CLASS_CELL.replace(
+        "nn.Conv2d(3, 8, 3, padding=1)", "nn.Conv2d(3, 8, 3, padding=1, bias=False)"
+    ).replace("nn.Conv2d(8, 8, 3, padding=1)", "nn.Conv2d(8, 8, 3, padding=1, bias=False)")
+    assert convs.code_change.elsewhere == []
+
+    # the checked cell, its %%perfcheck line exactly as typed
+    (checked,) = report.finding("zero-grad-none").code_change.cells
+    assert checked.execution_count is None and checked.before == CHECKED
+    assert checked.after == CHECKED.replace("set_to_none=False", "set_to_none=True")
+    assert "@@ -3,3 +3,3 @@" in checked.diff  # the editor's numbering: the magic is line 1
+
+    # nothing applied: every fix's cells, one entry per cell, in notebook order
+    edits = report.notebook_edits
+    assert sorted(edits.fixes) == ["conv-bias-bn", "dataloader-workers", "zero-grad-none"]
+    assert [c.execution_count for c in edits.cells] == [counts["class"], counts["loader"], None]
+    data = report.to_dict()
+    jsonschema.validate(data, load_schema())
+    assert Report.from_dict(data).notebook_edits == edits
+
+
+def test_two_fixes_editing_one_earlier_cell_make_one_entry(ip):
+    ip.user_ns["SlowImages"] = SlowImages
+    setup = (
+        "from torch.utils.data import DataLoader\n"
+        "model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),\n"
+        "                      nn.Flatten(), nn.LazyLinear(1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "loader = DataLoader(SlowImages(32), batch_size=8)"
+    )
+    count = ip.execution_count
+    ip.run_cell(setup, store_history=True)
+    ip.run_cell("model(torch.zeros(1, 3, 8, 8));", store_history=True)  # materialise LazyLinear
+    report = ip.run_cell(
+        "%%perfcheck -o -q --budget 1 --checks dataloader-workers,conv-bias-bn\n"
+        "for x, y in loader:\n"
+        "    loss = ((model(x) - y) ** 2).mean()\n"
+        "    opt.zero_grad()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n",
+        store_history=True,
+    ).result
+    (entry,) = report.notebook_edits.cells
+    assert entry.execution_count == count and entry.before == setup
+    assert "nn.Conv2d(3, 8, 3, padding=1, bias=False)" in entry.after
+    assert "DataLoader(SlowImages(32), batch_size=8, num_workers=" in entry.after
+    assert "persistent_workers=True)" in entry.after
+    changed = [line[0] for line in entry.diff.splitlines()[3:] if line[0] in "+-"]
+    assert changed == ["-", "+", "-", "+"]  # the model's line, then the loader's
+
+
+def test_the_optimizer_constructor_gets_fused_and_its_scheduler_is_rebuilt_with_it(ip):
+    """`fused-optimizer` is a CUDA check; its permanent change goes through the same lookup,
+    run here on a real optimizer from a real shell's history."""
+    counts = _cells(ip)
+    notebook = history.Notebook("", "", None, _inputs(ip))
+    edit = history.keyword_edit(notebook, ip.user_ns, ["opt"], {"fused": "True"})
+    assert edit is not None and edit.execution_count == counts["model"] and edit.line == 2
+    rebuilt, left = history.rebuilds(notebook, [("fused-optimizer", edit)])
+    assert left == []
+    (rebuild,) = rebuilt
+    assert rebuild.names == ["opt", "sched"]  # the scheduler follows the new optimizer
+    assert rebuild.text == (
+        "opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)\n"
+        "sched = torch.optim.lr_scheduler.StepLR(opt, 10)"
+    )
+    # a name bound some other way since (a loop, a tuple) is not followed to an older cell
+    ip.run_cell("for opt in [opt]:\n    pass", store_history=True)
+    later = history.Notebook("", "", None, _inputs(ip))
+    assert history.keyword_edit(later, ip.user_ns, ["opt"], {"fused": "True"}) is None
+
+
+def test_insert_carries_the_loader_rebuild_and_says_what_it_inserted(ip, capsys):
+    counts = _cells(ip)
+    ip.run_cell(CHECKED, store_history=True)
+    capsys.readouterr()
+    ip.rl_next_input = None
+    ip.run_line_magic("perfcheck", "insert")
+    inserted = ip.rl_next_input
+    shown = capsys.readouterr().out
+    loader_at = inserted.index("loader = DataLoader(SlowImages(32), batch_size=8, shuffle=True")
+    assert loader_at < inserted.index("for x, y in loader:")  # rebuilt before the loop
+    assert "persistent_workers=True)" in inserted
+    assert "opt.zero_grad(set_to_none=True)" in inserted and "%%perfcheck" not in inserted
+    assert f"rebuilds `loader` as In[{counts['loader']}] does" in shown
+    assert "dataloader-workers" in shown
+    assert "not carried: conv-bias-bn" in shown and f"In[{counts['class']}]" in shown
+
+    before = ip.user_ns["loader"]
+    assert ip.run_cell(inserted, store_history=True).error_in_exec is None
+    assert ip.user_ns["loader"] is not before and ip.user_ns["loader"].persistent_workers
+
+
+def _inputs(ip) -> history.Inputs:
+    """The shell's stored cells, the last one having the count before the next prompt's."""
+    return history.Inputs.of_history(ip.history_manager, ip.execution_count - 1)
