@@ -12,6 +12,7 @@ unlike unpacking, never runs a saved-tensor hook such as a checkpoint's recomput
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 import weakref
@@ -76,6 +77,8 @@ class RootWatcher:
     def forward_done(self, module: torch.nn.Module, args: Any, output: Any, depth: int) -> None:
         if depth or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
+        if torch._C._current_graph_task_id() != -1:
+            return  # run by a backward pass (activation checkpointing's recomputation)
         roots = {id(node): node for node in _roots(output)}
         if not roots or not any(p.requires_grad for p in module.parameters()):
             return  # no graph, or a parameter-free module (a loss) on a graph's tail
@@ -84,15 +87,21 @@ class RootWatcher:
         site = self.sites.get(key)
         if site is None:
             site = self.sites[key] = GraphSite(module, line, functions)
-        site.forwards += 1
         watch = _Watch(site)
+        handles = []
         for node in roots.values():
-            self._handles.append(node.register_prehook(watch))
+            with contextlib.suppress(RuntimeError):  # a node kind without hooks: no evidence
+                handles.append(node.register_prehook(watch))
+        if not handles:
+            return
+        site.forwards += 1
+        self._handles.extend(handles)
         self._watches.append(weakref.ref(watch))
         if site.walked < WALKED_PER_SITE:
             site.walked += 1
-            held = _saved_bytes(list(roots.values()), module, args, output)
-            site.saved_bytes = max(held, site.saved_bytes or 0)
+            with contextlib.suppress(RuntimeError):  # e.g. a graph freed under our feet
+                held = _saved_bytes(list(roots.values()), module, args, output)
+                site.saved_bytes = max(held, site.saved_bytes or 0)
 
     def _issuers(self) -> tuple[int | None, tuple[types.CodeType, ...]]:
         """The cell line running now and the user functions between it and the forward
