@@ -175,3 +175,15 @@ def test_evaluation_statements_in_the_epoch_loop_are_wrapped_where_they_are():
 )
 def test_silent_when_every_graph_is_backpropagated_or_none_is_built(cell: str):
     assert no_grad_detection(detected(cell, namespace_with(SETUP))) is None
+
+
+def test_through_the_magic_the_evaluation_function_of_an_earlier_cell_is_located(ip):
+    ip.run_cell(SETUP)  # an earlier cell defines the model and `evaluate`
+    original = ip.user_ns["evaluate"]
+    report = ip.run_cell(
+        "%%perfcheck -o -q --budget 2 --checks no-grad\n" + THROUGH_FUNCTION
+    ).result
+    (finding,) = report.findings
+    assert finding.where == "evaluate, called at cell line 7 (2 forwards)"  # editor's lines
+    assert report.variant_for(["no-grad"]).numerics.verdict == "identical"
+    assert ip.user_ns["evaluate"] is original
