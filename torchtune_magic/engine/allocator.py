@@ -134,11 +134,6 @@ def restore_thresholds() -> None:
     set_thresholds(starting_thresholds())
 
 
-def from_environment() -> bool:
-    """Whether the starting thresholds were set explicitly (then undo is exact)."""
-    return starting_thresholds() != DEFAULTS
-
-
 @functools.cache
 def fault_cost_s() -> float:
     """Seconds one minor page fault costs here: first-touching fresh anonymous pages (mapped,
