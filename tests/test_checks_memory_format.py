@@ -162,10 +162,10 @@ def test_a_vit_whose_only_conv_is_the_patch_embedding_is_not_flagged(cell: str):
     assert "channels-last" not in [d.finding.id for d in session.detections]
 
 
-def test_a_cnn_under_a_profiler_of_its_own_is_still_flagged_from_per_conv_timing():
+def test_a_cnn_under_a_profiler_of_its_own_is_still_flagged_from_its_flops():
     session = detected(UNDER_OWN_PROFILER, namespace())  # the probe cannot profile here
     (found,) = [d.finding for d in session.detections if d.finding.id == "channels-last"]
-    assert "estimated from per-conv timing" in found.evidence
+    assert "of its conv and linear FLOPs" in found.evidence
 
 
 def test_per_conv_timing_names_each_conv():

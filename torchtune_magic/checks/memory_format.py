@@ -9,6 +9,7 @@ the check times every conv both ways and names the ones that get slower.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,12 +34,11 @@ REGRESSION = 1.1  # a conv this much slower in channels_last is named
 # convs and channels_last measured 0.95x-1.01x; conv-heavy CNNs spent 36-78% and measured up
 # to 1.33x.
 MIN_CONV_SHARE = 0.10
-# Without the profiler's op times (CUDA, or a cell running a profiler of its own) the share is
-# estimated from warm per-conv timings against the probe's cold, instrumented run, which
-# undercounts: that estimate only rules out convs far below the bar (a ViT's patch embedding
-# estimated 0.05-0.10% here, the CNNs 40-49%).
-MIN_ESTIMATED_SHARE = MIN_CONV_SHARE / 4
-BACKWARD_FACTOR = 3.0  # a conv's forward + backward, in forward times (estimates only)
+# Without the profiler's op times (CUDA, where they are host times; a cell running a profiler
+# of its own) the share is of the model's conv + linear FLOPs, from the shapes the probe saw:
+# a timing estimate against the probe's cold, instrumented run swung 0.6%-600% for one CNN
+# on this loaded machine, FLOPs do not. It errs towards flagging (attention's matmuls and
+# pointwise work are not counted), and the fix is measured anyway.
 
 
 def _to_channels_last(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -172,43 +172,52 @@ def _is_conv_op(name: str) -> bool:
 
 @dataclass
 class ConvShare:
-    """Seconds the cell spent in convolutions, how that was known, and the share of the
-    cell below which they cannot matter by that measure."""
+    """How much of the work the convolutions are, as the evidence reads it."""
 
-    seconds: float
-    how: str
-    bar: float = MIN_CONV_SHARE
-
-    def of(self, obs: Observation) -> float:
-        return self.seconds / obs.wall_s if obs.wall_s > 0 else 0.0
-
-    def matters(self, obs: Observation) -> bool:
-        return self.of(obs) >= self.bar
+    share: float
+    text: str
 
 
-def conv_share(
-    obs: Observation, convs: list[torch.nn.Conv2d], timings: list[ConvTiming] | None
-) -> ConvShare | None:
-    """The convolutions' time in the cell: the probe's profiler self time of conv ops on CPU;
-    where that is missing or only host time (CUDA), each timed conv's forward time x its
-    calls (x3 when it was trained through), the untimed convs counted at the timed mean.
-    None when neither is known (yet: call again with `timings`)."""
-    if obs.device == "cpu" and obs.op_totals:
+def conv_share(obs: Observation, model: torch.nn.Module, convs: list[torch.nn.Conv2d]) -> ConvShare:
+    """The convolutions' share of the cell's time (the probe's profiler self time of conv
+    ops, on CPU), else their share of the model's conv and linear FLOPs."""
+    if obs.device == "cpu" and obs.op_totals and obs.wall_s > 0:
         seconds = sum(us for op, (_, us) in obs.op_totals.items() if _is_conv_op(op)) / 1e6
-        return ConvShare(seconds, "profiler self time of the convolution ops")
-    if not timings:
-        return None
-    by_path = {t.path: t for t in timings}
-    estimate = 0.0
-    for conv in convs:
-        use = obs.modules.get(id(conv))
-        timing = by_path.get(obs.module_path(conv))
-        if use is None or timing is None:
-            continue
-        trained = use.grad_calls and obs.backward_calls
-        estimate += timing.nchw_s * use.calls * (BACKWARD_FACTOR if trained else 1.0)
-    estimate *= len(convs) / len(timings)
-    return ConvShare(estimate, "estimated from per-conv timing", MIN_ESTIMATED_SHARE)
+        share = seconds / obs.wall_s
+        return ConvShare(
+            share,
+            f"convolutions took {_ms(seconds)} of the cell's {_ms(obs.wall_s)} ({share:.0%}, "
+            "profiler self time of the convolution ops)",
+        )
+    conv = sum(_flops(obs, m) for m in convs)
+    linear = sum(_flops(obs, m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    share = conv / (conv + linear) if conv + linear else 1.0
+    return ConvShare(
+        share,
+        f"convolutions are {share:.0%} of its conv and linear FLOPs ({(conv + linear) / 1e9:.2f} "
+        "GFLOP forward, from the shapes seen: no op times in this run)",
+    )
+
+
+def _flops(obs: Observation, module: torch.nn.Module) -> float:
+    """Forward FLOPs of a Conv2d or Linear over its calls, from the first input shape seen
+    (the output shape comes from a meta-device run: no memory, no compute)."""
+    use = obs.modules.get(id(module))
+    if use is None or use.input_shape is None:
+        return 0.0
+    if isinstance(module, torch.nn.Linear):
+        rows = math.prod(use.input_shape) // max(1, module.in_features)
+        return 2.0 * rows * module.in_features * module.out_features * use.calls
+    try:
+        out = module._conv_forward(
+            torch.empty(use.input_shape, device="meta"),
+            module.weight.detach().to("meta"),
+            None,
+        )
+    except (RuntimeError, ValueError, TypeError):  # e.g. a shape the conv no longer takes
+        return 0.0
+    per_output = module.weight[0].numel()  # in_channels / groups x kernel area
+    return 2.0 * out.numel() * per_output * use.calls
 
 
 class ChannelsLastCheck(Check):
@@ -216,9 +225,10 @@ class ChannelsLastCheck(Check):
     title = "A conv model runs on NCHW (channels-first) inputs"
     guide = "Use channels_last memory format for computer vision models"
     threshold = (
-        f"convolutions ≥ {MIN_CONV_SHARE:.0%} of the cell's time (2-core CPU: a ViT's lone "
-        "patch-embedding conv was 2-3% of its step, channels_last 0.95-1.01x; conv CNNs "
-        "36-78%, up to 1.33x)"
+        f"convolutions ≥ {MIN_CONV_SHARE:.0%} of the cell's time (without op times, e.g. on "
+        "CUDA: of the model's conv + linear FLOPs); 2-core CPU: a ViT's lone patch-embedding "
+        "conv was 2-3% of its step (2% of its FLOPs), channels_last 0.95-1.01x; conv CNNs "
+        "36-78%, up to 1.33x"
     )
 
     def detect(self, obs: Observation) -> list[Detection]:
@@ -230,13 +240,10 @@ class ChannelsLastCheck(Check):
             called = [c for c in convs if id(c) in obs.modules]
             if not called:
                 continue
-            share = conv_share(obs, called, None)
-            if share is not None and not share.matters(obs):
+            share = conv_share(obs, model, called)
+            if share.share < MIN_CONV_SHARE:
                 continue  # e.g. a ViT's patch embedding: nothing to gain for this cell
             timings = conv_timings(obs, called)
-            share = share or conv_share(obs, called, timings)
-            if share is not None and not share.matters(obs):
-                continue
             # one finding per id: the first model on NCHW input whose convs matter
             return [self._detection(obs, model, use.input_nchw_4d, called, timings, share)]
         return []
@@ -248,7 +255,7 @@ class ChannelsLastCheck(Check):
         calls: int,
         convs: list[torch.nn.Conv2d],
         timings: list[ConvTiming],
-        share: ConvShare | None,
+        share: ConvShare,
     ) -> Detection:
         name = obs.module_path(model)
         shape = obs.modules[id(model)].input_shape
@@ -257,11 +264,7 @@ class ChannelsLastCheck(Check):
             f"{name} ran {calls} time(s) on NCHW-contiguous 4-D input "
             f"{list(shape) if shape else ''} through {len(convs)} Conv2d"
         )
-        if share is not None:
-            evidence += (
-                f"; convolutions took {_ms(share.seconds)} of the cell's {_ms(obs.wall_s)} "
-                f"({share.of(obs):.0%}, {share.how})"
-            )
+        evidence += f"; {share.text}"
         if timings:
             total_nchw = sum(t.nchw_s for t in timings)
             total_nhwc = sum(t.nhwc_s for t in timings)
