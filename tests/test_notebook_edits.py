@@ -120,10 +120,12 @@ def test_earlier_cells_get_diffs_for_the_loader_and_the_convs_with_execution_cou
 
 def test_two_fixes_editing_one_earlier_cell_make_one_entry(ip):
     ip.user_ns["SlowImages"] = SlowImages
-    setup = (
+    setup = (  # the convs come from a factory, inside `nn.Sequential(...).to(device)`
         "from torch.utils.data import DataLoader\n"
-        "model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),\n"
-        "                      nn.Flatten(), nn.LazyLinear(1))\n"
+        "def block(cin, cout):\n"
+        "    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout))\n"
+        "model = nn.Sequential(block(3, 8), nn.ReLU(), block(8, 8), nn.Flatten(),\n"
+        "                      nn.LazyLinear(1)).to('cpu')\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
         "loader = DataLoader(SlowImages(32), batch_size=8)"
     )
@@ -141,11 +143,11 @@ def test_two_fixes_editing_one_earlier_cell_make_one_entry(ip):
     ).result
     (entry,) = report.notebook_edits.cells
     assert entry.execution_count == count and entry.before == setup
-    assert "nn.Conv2d(3, 8, 3, padding=1, bias=False)" in entry.after
+    assert "nn.Conv2d(cin, cout, 3, padding=1, bias=False)" in entry.after
     assert "DataLoader(SlowImages(32), batch_size=8, num_workers=" in entry.after
     assert "persistent_workers=True)" in entry.after
     changed = [line[0] for line in entry.diff.splitlines()[3:] if line[0] in "+-"]
-    assert changed == ["-", "+", "-", "+"]  # the model's line, then the loader's
+    assert changed == ["-", "+", "-", "+"]  # the factory's conv line, then the loader's
 
 
 def test_the_optimizer_constructor_gets_fused_and_its_scheduler_is_rebuilt_with_it(ip):

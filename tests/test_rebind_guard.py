@@ -13,10 +13,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from workloads import detected, namespace_with
 
+from torchtune_magic.checks.optimizer import FusedOptimizerFix
 from torchtune_magic.engine.discovery import Location, Step
 from torchtune_magic.engine.fixes import FixError, Patcher, Rebound
 from torchtune_magic.engine.workload import Workload
@@ -208,3 +210,26 @@ def test_patcher_refuses_a_moved_place_and_undo_keeps_newer_objects():
     names["gradcheck"] = "the cell's own"
     patcher.undo()
     assert names["gradcheck"] == "the cell's own"
+
+
+def test_the_fused_optimizer_swap_refuses_a_rebound_name_and_undo_keeps_the_users():
+    """`fused-optimizer` is a CUDA check; its swap is the same on a CPU optimizer (torch
+    fuses SGD on CPU too), so the guard is exercised here on real objects."""
+    ns = namespace_with()
+    opt, sched = ns["opt"], ns["sched"]
+    place = Location((Step("name", "opt"),))
+    fix = FusedOptimizerFix(opt, [place], [sched])
+    fix.seen = [(place, opt)]
+    fix.apply(ns)
+    fused = ns["opt"]
+    assert fused is not opt and fused.param_groups[0]["fused"] and sched.optimizer is fused
+    mine = torch.optim.SGD(ns["model"].parameters(), lr=0.1)
+    ns["opt"] = mine
+    assert fix.undo() == [
+        "fused-optimizer: `opt` was rebound while the fix was applied: your new object stays "
+        "there (the one from before the fix was not put back)"
+    ]
+    assert ns["opt"] is mine and sched.optimizer is opt
+    with pytest.raises(FixError, match="`opt` was rebound since the probe ran"):
+        fix.apply(ns)
+    assert ns["opt"] is mine and not fix.applied

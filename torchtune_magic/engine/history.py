@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from .workload import Workload
 
 CONTAINERS = ("Sequential", "ModuleList")
+# nn.Module methods that return the module itself: `nn.Sequential(...).to(device)` built
+# the Sequential, whose call is the one to edit
+RETURNS_SELF = frozenset(
+    {"to", "cuda", "cpu", "train", "eval", "float", "double", "half", "bfloat16", "to_empty"}
+)
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,7 @@ def _locate(
         if value is None:
             return None  # bound some other way (a loop, an import, a tuple): not followed
         site = _follow(notebook, _Scope(count, tree.body), value, namespace[name], list(path[1:]))
-        if site is not None and site.call is value and statement in tree.body:
+        if site is not None and site.call is _unchained(value) and statement in tree.body:
             site.rebuilds, site.statement = str(name), statement
         return site
     return None
@@ -238,6 +243,8 @@ def _follow(
         return _follow(notebook, scope, elements[rest[0]], child, rest[1:]) if child else None
     if not isinstance(expr, ast.Call):
         return None
+    if isinstance(expr.func, ast.Attribute) and expr.func.attr in RETURNS_SELF:
+        return _follow(notebook, scope, expr.func.value, live, rest)
     callee = _callee(expr)
     if callee in CONTAINERS and rest and callee == type(live).__name__:
         element = _element(expr, rest[0])
@@ -293,6 +300,17 @@ def _through_init(notebook: Notebook, live: Any, rest: list[str | int]) -> _Site
         if values:
             return None  # assigned more than once (if/else): which one built it is unknown
     return None
+
+
+def _unchained(expr: ast.expr) -> ast.expr:
+    """`nn.Sequential(...)` for `nn.Sequential(...).to(device).train()`."""
+    while (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr in RETURNS_SELF
+    ):
+        expr = expr.func.value
+    return expr
 
 
 def _element(call: ast.Call, key: str | int) -> ast.expr | None:
