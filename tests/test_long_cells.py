@@ -235,3 +235,19 @@ def test_findings_are_published_before_any_number_then_numbers_stream_in() -> No
     phases = [r.phase for r in reports]
     assert phases.index("finishing") > reports.index(numbered[0])
     assert phases[-1] == "done" and reports[-1].cell_run.status == "complete"
+
+
+def test_a_retime_keeps_what_the_user_did_since_the_cell() -> None:
+    from torchtune_magic.engine.workload import Workload
+    from torchtune_magic.options import Options
+    from torchtune_magic.session import Session
+
+    ns = namespace_with(LONG_SETUP)
+    run = Session(Workload(LONG_CELL, ns), Options.build(budget=3, no_finish=True))
+    run.run()
+    # later cells: a new name, a rebound one
+    ns["notes"] = "mine"
+    ns["epochs"] = 2
+    run.measure([["debug-anomaly"]], budget_s=2)
+    assert ns["notes"] == "mine" and ns["epochs"] == 2
+    assert not torch.is_anomaly_enabled()

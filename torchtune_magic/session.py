@@ -131,6 +131,7 @@ class Session:
         self._kernel = AFTER_ONE_RUN
         self._history: list[Variant] = []  # every finished measurement's variants, in order
         self._start_state: state.Snapshot | None = None
+        self._start_switches = state.TorchSwitches.capture()  # taken again by the probe
         self._applied: dict[str, fixes.Fix] = {}
         self._flops: utilisation.FlopCount | None = None  # counted once: fixes keep the math
         self._flops_detail: str | None = None
@@ -178,6 +179,7 @@ class Session:
         complete run prints it, once)."""
         __tracebackhide__ = True
         namespace = self.workload.namespace
+        self._start_switches = state.TorchSwitches.capture()
         if self.options.restore:
             found = discovery.walk(namespace)
             needed = state.estimate_bytes(found)
@@ -524,14 +526,19 @@ class Session:
 
     @contextmanager
     def _state_kept(self) -> Iterator[None]:
-        """Whatever happens while measuring, the kernel ends in a known state: as it was
-        (after the cell's one run), or as before the cell when no complete run has happened
-        yet (the finish run starts from there)."""
+        """Whatever happens while measuring, the kernel ends as it was — with what the user
+        did since the cell ran — except for a probe's leftovers from part of a run, which
+        give way to the state before the cell (the complete run starts from there). Without
+        a snapshot, torch's global modes still go back (they cost nothing to keep)."""
         if self._start_state is None:
-            yield
+            switches = state.TorchSwitches.capture()
+            try:
+                yield
+            finally:
+                switches.restore()
             return
         current = None
-        if self._kernel == AFTER_ONE_RUN:
+        if self._kernel != PART_RUN:
             current = state.take(self.workload.namespace, discovery.walk(self.workload.namespace))
         try:
             yield
@@ -553,6 +560,8 @@ class Session:
         __tracebackhide__ = True
         if self._start_state is not None:
             self._start_state.restore()
+        else:  # no snapshot: each run still starts in the modes the cell started in
+            self._start_switches.restore()
         namespace = self.workload.namespace
         source = fixes.combined_source(self.workload.source, config.fixes)
         counter = None

@@ -165,7 +165,7 @@ class _RNGState:
 
 
 @dataclass(frozen=True)
-class _TorchSwitches:
+class TorchSwitches:
     """Process-wide torch modes a cell can flip and leave flipped: a run stopped at a step
     (or interrupted) never reaches the line that flips them back, so every run after it
     would start in the wrong mode (anomaly detection left on, say)."""
@@ -179,7 +179,7 @@ class _TorchSwitches:
     threads: int
 
     @classmethod
-    def capture(cls) -> _TorchSwitches:
+    def capture(cls) -> TorchSwitches:
         cudnn = torch.backends.cudnn
         return cls(
             (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
@@ -196,7 +196,7 @@ class _TorchSwitches:
 
     def restore(self) -> None:
         """Set back each switch that differs (setting one can cost: threads, for one)."""
-        now = _TorchSwitches.capture()
+        now = TorchSwitches.capture()
         if now == self:
             return
         if now.anomaly != self.anomaly:
@@ -228,7 +228,7 @@ class Snapshot:
     optimizers: list[_OptimizerState] = field(default_factory=list)
     stateful: list[_StateDictObject] = field(default_factory=list)
     rng: _RNGState | None = None
-    switches: _TorchSwitches | None = None
+    switches: TorchSwitches | None = None
 
     @property
     def nbytes(self) -> int:
@@ -308,7 +308,7 @@ def take(namespace: dict[str, Any], found: dict[int, discovery.Found]) -> Snapsh
             _StateDictObject.of(e.obj) for e in found.values() if isinstance(e.obj, stateful_types)
         ],
         rng=_RNGState.capture(generators),
-        switches=_TorchSwitches.capture(),
+        switches=TorchSwitches.capture(),
     )
 
 
