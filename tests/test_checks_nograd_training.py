@@ -187,3 +187,21 @@ def test_through_the_magic_the_evaluation_function_of_an_earlier_cell_is_located
     assert finding.where == "evaluate, called at cell line 7 (2 forwards)"  # editor's lines
     assert report.variant_for(["no-grad"]).numerics.verdict == "identical"
     assert ip.user_ns["evaluate"] is original
+
+
+def test_an_evaluation_def_in_the_cell_is_decorated_under_its_other_decorators():
+    cell = EPOCH + (
+        "class Scorer:\n"
+        "    @staticmethod\n"
+        "    def score(x, y):\n"
+        "        return loss_fn(model(x), y)\n"
+        "val = Scorer.score(Xv, Yv).item()\n"
+    )
+    ns = namespace_with(SETUP)
+    detection = no_grad_detection(detected(cell, ns))
+    assert detection.finding.where == "score() at cell line 7, called at cell line 9 (1 forward)"
+    assert "    @staticmethod\n    @torch.no_grad()\n    def score(x, y):\n" in (
+        detection.fixed_source
+    )
+    exec(detection.fixed_source, ns)  # still a staticmethod, and its loss carries no graph
+    assert not ns["Scorer"].score(ns["Xv"], ns["Yv"]).requires_grad

@@ -270,10 +270,11 @@ def _edit_cell(source: str, targets: list[_EvalTarget]) -> str:
             text = ast.get_source_segment(source, node) or ast.unparse(node)
             source = codeedit.replace_node(source, node, f"torch.no_grad()({text})")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            first, _ = target.span
+            # right above `def`, under any other decorator (a staticmethod must stay outermost)
             lines = source.splitlines(keepends=True)
-            indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
-            lines.insert(first - 1, f"{indent}@torch.no_grad()\n")
+            header = lines[node.lineno - 1]
+            indent = header[: len(header) - len(header.lstrip())]
+            lines.insert(node.lineno - 1, f"{indent}@torch.no_grad()\n")
             source = "".join(lines)
         else:
             first, last = target.span
