@@ -296,7 +296,8 @@ def test_cpu_checks_are_not_applicable_to_cuda_work():
 # cpu-allocator ----------------------------------------------------------------------------
 
 ALLOCATOR_RUN = """
-import ctypes, json, torch
+import json, torch
+from glibc_blocks import mapped
 from workloads import detected, namespace_with
 from torchtune_magic.checks.allocator import AllocatorFix
 torch.set_num_threads(1)  # a busy machine's stalled threads would blur the fault share
@@ -317,35 +318,12 @@ for _ in range(20):
 '''
 
 
-class MallInfo2(ctypes.Structure):  # glibc's public allocator statistics
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-
-
-def mapped_30_mib():
-    # whether glibc serves a fresh 30 MiB block with its own mmap: only when its mmap
-    # threshold is below 30 MiB (the fix: 32 MiB; glibc's default: 128 KiB)
-    libc.malloc_trim(0)  # no free heap top left over to serve it from
-    before = libc.mallinfo2().hblkhd
-    block = libc.malloc(30 << 20)
-    mapped = libc.mallinfo2().hblkhd - before >= 30 << 20
-    libc.free(block)
-    return mapped
-
-
 # first, while the heap is small: the fix applied, then undone
 fix = AllocatorFix()
 fix.apply({})
-applied = mapped_30_mib()
+applied = mapped(30 << 20)  # the fix: blocks up to 32 MiB stay on the heap
 fix.undo()
-undone = mapped_30_mib()
+undone = mapped(30 << 20)
 
 ns = namespace_with(SETUP)
 session = detected(CELL, ns, checks="cpu-allocator", budget=4)

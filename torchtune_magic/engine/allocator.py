@@ -12,6 +12,11 @@ process allocated before.
 once either is set it stops adjusting them by itself for the rest of the process: "undo"
 can only set them to what the process started with (the `MALLOC_*_` environment variables
 or `GLIBC_TUNABLES`) or else glibc's documented defaults (128 KiB each).
+
+Because freeing a mapped block moves the threshold, perfcheck keeps its own large copies of
+the user's tensors (state snapshots, numerics) out of malloc altogether (`outside_copy`):
+otherwise taking and dropping them would change how the cell's allocations are served, and
+its timings, during the measurement and after it.
 """
 
 from __future__ import annotations
@@ -80,13 +85,39 @@ def glibc_version() -> str | None:
     return libc.gnu_get_libc_version().decode() if libc is not None else None
 
 
-def minor_faults() -> int:
-    """Minor page faults of this process so far (getrusage; 0 where there is none)."""
+@functools.cache
+def reports_faults() -> bool:
+    """Whether the OS reports this process's page faults (getrusage; not on Windows)."""
     try:
-        import resource
-    except ImportError:  # Windows
+        import resource  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (0 where the OS does not report them)."""
+    if not reports_faults():
         return 0
+    import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def outside_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor`; at DEFAULTS' mmap threshold (128 KiB, the least glibc ever
+    maps) or above, in an anonymous memory map of its own, freed with it by `munmap`, so
+    malloc never sees it. (Smaller blocks come from the heap and never move the threshold.)"""
+    source = tensor.detach()
+    nbytes = source.numel() * source.element_size()
+    if nbytes < DEFAULTS[M_MMAP_THRESHOLD] or source.layout != torch.strided or source.is_quantized:
+        return source.to("cpu", copy=True)
+    buffer = mmap.mmap(-1, nbytes)
+    # frombuffer holds a reference to the map: it is unmapped when the copy is freed
+    copy = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+    copy = copy.view(source.dtype).view(source.shape)
+    copy.copy_(source)
+    return copy
 
 
 def preloaded() -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..report import Numerics
+from . import allocator
 
 Outputs = dict[str, torch.Tensor]
 
@@ -25,12 +26,12 @@ def capture(
     for name in sorted(names):
         value = namespace.get(name)
         if isinstance(value, torch.Tensor):
-            outputs[name] = value.detach().to("cpu", copy=True)
+            outputs[name] = allocator.outside_copy(value)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             outputs[name] = torch.tensor(float(value), dtype=torch.float64)
     for label, module in modules.items():
         for key, tensor in module.state_dict().items():
-            outputs[f"{label}.{key}"] = tensor.detach().to("cpu", copy=True)
+            outputs[f"{label}.{key}"] = allocator.outside_copy(tensor)
     return outputs
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import discovery, graphs, memory
+from . import allocator, discovery, graphs, memory
 from .fixes import Patcher
 from .steps import StepLimitReached
 from .workload import CellError, Workload, synchronize
@@ -663,15 +663,6 @@ def _patch_profiler_entries(patcher: Patcher, recorder: _Recorder) -> None:
         patcher.setattr(owner, method, recorded)
 
 
-def minor_faults() -> int | None:
-    """Minor page faults of this process so far (`getrusage`), None where unavailable."""
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def _run_until_stopped(workload: Workload, recorder: _Recorder) -> float:
     """Seconds the run took, to its end or to the step boundary where it was stopped."""
     __tracebackhide__ = True
@@ -708,7 +699,7 @@ def run(
     recorder = _Recorder(obs)
     recorder.own_profiler = use_profiler
     recorder.stop_after_s = stop_after_s
-    faults_before = minor_faults()
+    faults_before = allocator.minor_faults()
     # Our profiler starts before the entry points are patched, so it is never mistaken for
     # one of the user's.
     if use_profiler:
@@ -736,9 +727,8 @@ def run(
         for trace in obs.step_traces.values():  # ended with the run
             if trace.unit == "forward":
                 trace.count = obs.modules[id(trace.obj)].outer_calls
-    faults_after = minor_faults()
-    if faults_before is not None and faults_after is not None:
-        obs.minor_faults = faults_after - faults_before
+    if allocator.reports_faults():
+        obs.minor_faults = allocator.minor_faults() - faults_before
     for key, entry in discovery.walk(workload.namespace).items():
         known = obs.found.get(key)
         if known is None:

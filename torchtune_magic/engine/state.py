@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import discovery
+from . import allocator, discovery
 
 try:  # numpy is optional for the guard; torch works without it
     import numpy as np
@@ -25,7 +25,8 @@ except ImportError:  # pragma: no cover - numpy is a declared dependency
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
+    """Held while measuring, dropped after: kept out of malloc (see allocator.outside_copy)."""
+    return allocator.outside_copy(tensor)
 
 
 def _write_into(target: torch.Tensor, saved: torch.Tensor) -> None:
@@ -35,7 +36,7 @@ def _write_into(target: torch.Tensor, saved: torch.Tensor) -> None:
         if target.shape == saved.shape and target.dtype == saved.dtype:
             target.copy_(saved)
         else:  # the run replaced the storage (e.g. `p.data = ...`): put the old one back
-            target.data = saved.to(target.device)
+            target.data = saved.to(target.device, copy=True)
 
 
 @dataclass
