@@ -76,3 +76,11 @@ def test_the_magic_shows_the_report_and_the_original_traceback(ip) -> None:
     assert isinstance(result.error_in_exec, RuntimeError)  # the cell's own error, unwrapped
     assert "can't allocate memory" in str(result.error_in_exec)
     assert "ran out of memory at cell line" in shown.stdout  # a terminal shell prints it
+
+
+def test_peak_memory_counts_what_the_run_allocates_not_what_the_last_run_left() -> None:
+    # each run binds a fresh 16 MiB tensor; the previous run's is freed when the start
+    # state comes back, which must happen before the measured window opens
+    ns = namespace()
+    report = perfcheck("big = torch.ones(2**22)\nloss = model(x).square().mean()\n", ns, budget=2)
+    assert report.baseline.peak_memory_bytes >= 2**24

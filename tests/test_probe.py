@@ -72,3 +72,23 @@ def test_the_cells_own_profiler_turns_the_probe_profiler_off():
     obs = probe.run(Workload("with torch.profiler.profile():\n    y = model(X)", ns), "cpu")
     assert obs.ops is None
     assert [e.kind for e in obs.profiler_entries] == ["torch.profiler.profile"]
+
+
+def test_a_forward_that_raises_does_not_make_later_forwards_look_nested():
+    ns = namespace_with(
+        "import torch\nfrom torch import nn\n"
+        "class Picky(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        raise ValueError('not today')\n"
+        "picky = Picky()\nmodel = nn.Linear(4, 2)\nx = torch.randn(3, 4)\n"
+    )
+    cell = (
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        picky(x)\n"
+        "    except ValueError:\n"
+        "        pass\n"
+        "    y = model(x)\n"
+    )
+    obs = probe.run(Workload(cell, ns), "cpu")
+    assert obs.modules[id(ns["model"])].outer_calls == 3  # top-level forwards, all of them

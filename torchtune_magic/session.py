@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +97,7 @@ class _RunTime:
     total_s: float
     lead_s: float | None = None
     step_s: float | None = None
+    watched: Any = None  # what the run's `watched` context gave (a memory Profile, …)
 
 
 class Session:
@@ -554,9 +555,12 @@ class Session:
         config: _Config,
         observe: Callable[[], Any] | None = None,
         stop: int | None = None,
+        watched: AbstractContextManager[Any] | None = None,
     ) -> _RunTime:
         """Run the cell once from the start state with the config's fixes applied; with
-        `stop`, the run ends after that step (`observe` sees the state there)."""
+        `stop`, the run ends after that step (`observe` sees the state there). `watched`
+        (peak memory, FLOPs) opens once the start state is back, so what the previous run
+        left and the restore frees is not counted against this run."""
         __tracebackhide__ = True
         if self._start_state is not None:
             self._start_state.restore()
@@ -568,6 +572,7 @@ class Session:
         if stop is not None and self.plan is not None:
             counter = steps.StepCounter(self.plan.source, warmup=self.plan.warmup, stop=stop)
         with (
+            watched or nullcontext() as seen,
             fixes.applied(config.fixes, namespace),
             fixes.combined_context(config.fixes, namespace),
             silenced(),
@@ -581,7 +586,7 @@ class Session:
             if observe is not None:
                 observe()
         if times is None or self.plan is None:
-            return _RunTime(seconds)
+            return _RunTime(seconds, watched=seen)
         step_s = times.per_step(self.plan.warmup)
         if not times.stopped and times.lead_s is not None and times.count > self.plan.warmup:
             step_s = (seconds - times.lead_s) / (times.count - self.plan.warmup)
@@ -589,7 +594,7 @@ class Session:
                 f"{config.label}: the run ended after {times.count} steps, before step {stop}; "
                 "its per-step time includes what runs after the last step"
             )
-        return _RunTime(seconds, times.lead_s, step_s)
+        return _RunTime(seconds, times.lead_s, step_s, seen)
 
     def _sample_plan(self, configs: list[_Config], budget_s: float) -> steps.SamplePlan | None:
         """Whether to stop every run at a step, and where first (the baseline's first run
@@ -926,14 +931,9 @@ class Session:
         observe = None
         if stop is None:
             observe = functools.partial(self._capture, outputs, config.label, watched)
-        if obs.ops is not None:  # the probe could profile, so memory profiling is safe too
-            with memory.profiled(obs.device) as prof:
-                self._one_run(config, observe, stop)
-            peak = prof.peak
-        else:
-            with memory.tracked(obs.device) as tracker:
-                self._one_run(config, observe, stop)
-            peak = tracker.peak
+        # the probe could profile, so memory profiling is safe too
+        measure = memory.profiled if obs.ops is not None else memory.tracked
+        peak = self._one_run(config, observe, stop, measure(obs.device)).watched.peak
         self._memory_label = peak.label if peak else None
         return peak.bytes if peak else None
 

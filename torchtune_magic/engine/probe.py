@@ -590,7 +590,9 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
     handles = []
     try:
         handles.append(register_module_forward_pre_hook(recorder.forward_pre))
-        handles.append(register_module_forward_hook(recorder.forward_post))
+        # always_call: the depth count comes back down when a forward raises (a checkpoint
+        # stopping its recomputation early, a cell caught mid-forward)
+        handles.append(register_module_forward_hook(recorder.forward_post, always_call=True))
         handles.append(register_optimizer_step_pre_hook(recorder.optimizer_step))
         handles.append(register_optimizer_step_post_hook(recorder.optimizer_stepped))
         patcher.setattr(torch.autograd, "backward", recorder.backward(torch.autograd.backward))
