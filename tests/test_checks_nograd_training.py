@@ -104,7 +104,7 @@ def test_a_function_rebound_since_the_probe_is_refused_and_a_newer_one_never_clo
     session = detected(THROUGH_FUNCTION, ns)
     replacement = lambda m, x, y: 0.0  # noqa: E731  (the user redefines it in a new cell)
     ns["evaluate"] = replacement
-    with pytest.raises(FixError, match="no longer holds the function the probe saw"):
+    with pytest.raises(FixError, match="was rebound since the probe ran"):
         session.apply("no-grad")
     assert ns["evaluate"] is replacement and session.applied_ids == []
     ns["evaluate"] = original  # back to the function the probe saw: the fix applies

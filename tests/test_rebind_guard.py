@@ -233,3 +233,40 @@ def test_the_fused_optimizer_swap_refuses_a_rebound_name_and_undo_keeps_the_user
     with pytest.raises(FixError, match="`opt` was rebound since the probe ran"):
         fix.apply(ns)
     assert ns["opt"] is mine and not fix.applied
+
+
+GUARDED = {
+    "zero-grad-none": (
+        "import torch\nfrom torch import nn\nmodel = nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nx = torch.randn(8, 4)\n",
+        "for _ in range(3):\n    opt.zero_grad(set_to_none=False)\n"
+        "    model(x).sum().backward()\n    opt.step()\n",
+        "opt",
+    ),
+    "channels-last": (
+        "import torch\nfrom torch import nn\n"
+        "net = nn.Sequential(*[nn.Conv2d(16, 16, 3, padding=1) for _ in range(4)]).eval()\n"
+        "images = torch.randn(8, 16, 48, 48)\n",
+        "with torch.no_grad():\n    out = net(images)\n",
+        "net",
+    ),
+    "fuse-pointwise": (
+        "import torch\ndef act(x):\n"
+        "    return torch.exp(-0.5 * x * x) * x + torch.sin(x) * 0.5 - x / 3.0\n"
+        "z = torch.randn(512, 1024)\n",
+        "for _ in range(5):\n    y = act(z)\n",
+        "act",
+    ),
+}
+
+
+@pytest.mark.parametrize("check_id", sorted(GUARDED))
+def test_every_fix_refuses_an_object_rebound_since_the_probe(check_id: str) -> None:
+    setup, cell, name = GUARDED[check_id]
+    ns = namespace_with(setup)
+    session = detected(cell, ns, checks=check_id)
+    assert session.fixable, f"{check_id} did not fire"
+    ns[name] = replacement = object()  # the user rebound the name after the run
+    with pytest.raises(FixError, match=f"`{name}` was rebound since the probe ran"):
+        session.apply(check_id)
+    assert ns[name] is replacement and session.applied_ids == []

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..engine import codeedit, discovery
-from ..engine.fixes import Fix, FixError, Patcher
+from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 from .userfuncs import function_locations
@@ -304,36 +304,12 @@ class EvaluationNoGradFix(Fix):
             if wrapped is None:
                 wrapped = self._wrapped[id(original)] = torch.no_grad()(original)
             for location in target.locations:
-                try:
-                    current = location.get(namespace)
-                except (KeyError, AttributeError, IndexError, ValueError):
-                    current = None
-                if current is not original:
-                    raise FixError(
-                        self.check_id,
-                        f"{location} no longer holds the function the probe saw "
-                        "(redefined or rebound since): re-run %%perfcheck",
-                    )
-                patcher.call(
-                    lambda loc=location, new=wrapped: loc.set(namespace, new),
-                    lambda loc=location, new=wrapped, old=original: _put_back(
-                        namespace, loc, new, old
-                    ),
-                )
+                patcher.rebind(namespace, location, original, wrapped)
 
     def edit_source(self, source: str) -> str:
         if source == self.source:
             return self.fixed
         return codeedit.combine(self.source, [source, self.fixed])  # after others' edits
-
-
-def _put_back(
-    namespace: dict[str, Any], location: discovery.Location, ours: Any, original: Any
-) -> None:
-    """Undo one rebinding, unless the user has bound something new there meanwhile."""
-    with contextlib.suppress(KeyError, AttributeError, IndexError, ValueError):
-        if location.get(namespace) is ours:
-            location.set(namespace, original)
 
 
 def _mib(nbytes: int) -> str:
@@ -462,25 +438,31 @@ def _manual_zeroing(tree: ast.Module) -> list[tuple[ast.stmt, str]]:
     return found
 
 
+def _name(obs: Observation, obj: Any) -> str:
+    """How the user names an object (`opt`, `trainer.opt`), else its class."""
+    entry = obs.found.get(id(obj))
+    return entry.name if entry is not None else type(obj).__name__
+
+
 class _ZeroGradNone(Fix):
     """zero_grad on the given optimizers/modules always sets grads to None; the cell's
     in-place zeroing statements become `p.grad = None`."""
 
     check_id = "zero-grad-none"
 
-    def __init__(self, owners: list[Any], source_edits: list[tuple[ast.stmt, str]]):
+    def __init__(self, owners: dict[str, Any], source_edits: list[tuple[ast.stmt, str]]):
         super().__init__()
-        self.owners = owners
+        self.owners = owners  # by name: `opt`, `model`
         self.source_edits = source_edits
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
-        for owner in self.owners:
+        for name, owner in self.owners.items():
             class_zero_grad = type(owner).zero_grad
 
             def zero_grad(set_to_none: bool = True, _owner: Any = owner, _f=class_zero_grad):
                 return _f(_owner, set_to_none=True)
 
-            patcher.setattr(owner, "zero_grad", zero_grad)
+            patcher.assign(owner, "zero_grad", zero_grad, f"{name}.zero_grad")
 
     def edit_source(self, source: str) -> str:
         return codeedit.replace_nodes(source, list(self.source_edits))
@@ -504,7 +486,10 @@ class ZeroGradNoneCheck(Check):
             if (false_node := _set_to_none_false(call)) is not None
         ]
         fixed = codeedit.replace_nodes(source, [*call_edits, *manual])
-        fix = _ZeroGradNone(owners, manual) if owners or manual else None
+        fix = None
+        if owners or manual:
+            fix = _ZeroGradNone({_name(obs, owner): owner for owner in owners}, manual)
+            fix.seen = obs.places_of(*owners)
         lines = sorted(
             {c.line for c in in_place_calls if c.line is not None}
             | {stmt.lineno for stmt, _ in manual}

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..engine import codeedit, discovery
-from ..engine.fixes import Fix, FixError, Patcher
+from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
 from .userfuncs import function_locations
@@ -213,20 +213,26 @@ class CompileFix(Fix):
             if target.module is not None and target.cell_assign is None:
                 module = target.module
                 compiled = self._compile(id(module), lambda m=module: torch.compile(m._call_impl))
-                patcher.setattr(module, "_compiled_call_impl", compiled)
+                label = f"{target.label}._compiled_call_impl"
+                patcher.assign(module, "_compiled_call_impl", compiled, label)
             elif target.function is not None:
                 original = target.function
                 compiled = self._compile(id(original), lambda f=original: torch.compile(f))
                 for location in target.locations:
-                    if location.get(namespace) is not original:
-                        raise FixError(self.check_id, f"{location} was redefined since the probe")
-                    patcher.call(
-                        lambda loc=location, new=compiled: loc.set(namespace, new),
-                        lambda loc=location, old=original: loc.set(namespace, old),
-                    )
+                    patcher.rebind(namespace, location, original, compiled)
 
     def edit_source(self, source: str) -> str:
         return _edited_source(source, self.targets)
+
+
+def _compile_fix(obs: Observation, targets: list[Target]) -> CompileFix | None:
+    """The fix, refusing later if a model it compiles in place was replaced since the probe
+    (functions are checked where they are rebound)."""
+    if not targets:
+        return None
+    fix = CompileFix(targets)
+    fix.seen = obs.places_of(*(t.module for t in targets if t.module is not None))
+    return fix
 
 
 def _edited_source(source: str, targets: list[Target]) -> str:
@@ -327,7 +333,7 @@ class FusePointwiseCheck(Check):
                     ),
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
-                CompileFix(targets) if targets else None,
+                _compile_fix(obs, targets),
                 fixed if fixed != source else None,
             )
         ]

@@ -92,6 +92,13 @@ class ChannelsLastFix(Fix):
         )
 
 
+def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLastFix:
+    """The fix, refusing later if the model was replaced since the probe."""
+    fix = ChannelsLastFix(model)
+    fix.seen = obs.places_of(model)
+    return fix
+
+
 @dataclass
 class ConvTiming:
     path: str
@@ -297,5 +304,5 @@ class ChannelsLastCheck(Check):
                     ],
                 ),
             ),
-            ChannelsLastFix(model),
+            _channels_last_fix(obs, model),
         )
