@@ -73,10 +73,14 @@ def test_perfcheck_cell_saves_panel_view_and_report(kernel_env: Path) -> None:
     assert {f["id"] for f in report["findings"]} >= {"debug-anomaly", "zero-grad-none"}
     assert report["variants"] and report["baseline"]["median_s"] > 0
 
-    # The stored widget state holds the panel root, marked for the labextension.
+    # The stored widget state holds the panel (an anywidget with the view's ES module),
+    # marked for the labextension, its last state that of the finished run.
     state = nb.metadata.widgets[WIDGET_STATE]["state"]
-    root = state[views[0].data[WIDGET_VIEW]["model_id"]]["state"]
-    assert {"ttm-live-panel", f"ttm-run-{report['run_id']}"} <= set(root["_dom_classes"])
+    panel = state[views[0].data[WIDGET_VIEW]["model_id"]]["state"]
+    assert {"ttm-live-panel", f"ttm-run-{report['run_id']}"} <= set(panel["_dom_classes"])
+    assert panel["run_id"] == report["run_id"] and panel["attached"] and not panel["busy"]
+    assert panel["report"] == report
+    assert "export" in panel["_esm"] and ".ttm-report" in panel["_css"]
 
 
 def _collect_until_idle(client: KernelClient, parent_id: str) -> list[dict[str, Any]]:
@@ -104,10 +108,10 @@ def test_retime_click_updates_the_report_as_an_output_of_the_perfcheck_cell(
         cell_id = client.execute(PERFCHECK)
         shown = _collect_until_idle(client, cell_id)
         opened = [m for m in shown if m["msg_type"] == "comm_open"]
-        retime = next(
+        panel = next(
             m["content"]["comm_id"]
             for m in opened
-            if m["content"]["data"]["state"].get("description") == "Re-time"
+            if "ttm-live-panel" in m["content"]["data"]["state"].get("_dom_classes", [])
         )
         report = next(
             m["content"]["data"][MIME_TYPE]
@@ -115,9 +119,10 @@ def test_retime_click_updates_the_report_as_an_output_of_the_perfcheck_cell(
             if m["msg_type"] == "display_data" and MIME_TYPE in m["content"]["data"]
         )
 
+        # what the view's Re-time button sends (anywidget's model.send)
         click = client.session.msg(
             "comm_msg",
-            {"comm_id": retime, "data": {"method": "custom", "content": {"event": "click"}}},
+            {"comm_id": panel, "data": {"method": "custom", "content": {"command": "retime"}}},
         )
         client.shell_channel.send(click)
         during = _collect_until_idle(client, click["header"]["msg_id"])
@@ -132,10 +137,15 @@ def test_retime_click_updates_the_report_as_an_output_of_the_perfcheck_cell(
         assert update["parent_header"]["msg_id"] == cell_id
         assert update["content"]["data"][MIME_TYPE]["run_id"] == report["run_id"]
     assert not [m for m in during if m["msg_type"] == "error"]
-    logged = [
-        output
+    notices = [
+        m["content"]["data"]["state"]["notice"]
         for m in during
-        if m["msg_type"] == "comm_msg"
-        for output in m["content"]["data"].get("state", {}).get("outputs", [])
+        if m["msg_type"] == "comm_msg" and "notice" in m["content"]["data"].get("state", {})
     ]
-    assert logged == []  # nothing went wrong in the callback (errors land in the panel log)
+    assert not any(notices)  # nothing went wrong in the command (errors land in the panel)
+    synced = [
+        m["content"]["data"]["state"]
+        for m in during
+        if m["msg_type"] == "comm_msg" and "busy" in m["content"]["data"].get("state", {})
+    ]
+    assert [s["busy"] for s in synced][:1] == [True] and synced[-1]["busy"] is False

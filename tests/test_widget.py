@@ -1,4 +1,5 @@
-"""The live panel driven from Python as a user would: real torch, real IPython, real widgets."""
+"""The live panel driven from Python as a user would: real torch, real IPython, a real
+anywidget. The view sends commands as comm messages; the tests send the same messages."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from torchtune_magic.checks import Detection
 from torchtune_magic.engine.fixes import Fix, Patcher
 from torchtune_magic.engine.workload import Workload
 from torchtune_magic.options import Options
-from torchtune_magic.render import summary
 from torchtune_magic.render.widget import Panel
-from torchtune_magic.report import MIME_TYPE, Finding
+from torchtune_magic.report import MIME_TYPE, Finding, Report
 from torchtune_magic.session import Session
 
 BUDGET_S = 1.0
@@ -70,6 +70,19 @@ def panel(session: Session) -> Iterator[Panel]:
     panel.close()
 
 
+def send(panel: Panel, **command: Any) -> None:
+    """What the view does on a click: a comm message with a custom payload (anywidget's
+    `model.send`), handled as ipywidgets handles every message from the front end."""
+    message = {"content": {"data": {"method": "custom", "content": command}}, "buffers": []}
+    panel.widget._handle_msg(message)
+
+
+def shown(panel: Panel) -> Report:
+    """The report the view draws now (the synced dict, as the browser receives it)."""
+    assert panel.widget.report is not None
+    return Report.from_dict(panel.widget.report)
+
+
 class _BrokenFix(Fix):
     """Changes a live object, then fails: as a fix that cannot apply to this model would."""
 
@@ -85,17 +98,15 @@ class _BrokenFix(Fix):
         raise RuntimeError("this model cannot be compiled here")
 
 
-def test_attach_shows_a_row_per_finding_with_a_toggle_for_fixable_ones(panel: Panel) -> None:
-    assert set(panel.rows) == {"debug-anomaly", "zero-grad-none"}
-    assert {"ttm-live-panel", f"ttm-run-{panel.session.run_id}"} <= set(panel.root._dom_classes)
-    for row in panel.rows.values():
-        assert row.toggle is not None and row.toggle.value is False
-        assert not row.toggle.disabled
-        assert "x" in row.result.value  # a measured speedup
-        assert row.finding.where in row.info.value
-    assert "baseline" in panel.header.value
-    assert "<svg" in panel.chart.value
-    assert not panel.retime_button.disabled
+def test_attach_syncs_the_report_and_turns_the_controls_on(panel: Panel, session: Session) -> None:
+    widget = panel.widget
+    assert shown(panel).to_dict() == session.report.to_dict()
+    assert {f.id for f in shown(panel).findings} == {"debug-anomaly", "zero-grad-none"}
+    assert widget.attached and not widget.busy
+    assert widget.run_id == session.run_id
+    assert {"ttm-live-panel", f"ttm-run-{session.run_id}"} <= set(widget._dom_classes)
+    # the ES module and its styles are the labextension's view, bundled by the jlpm build
+    assert "render" in widget._esm and ".ttm-report" in widget._css
 
 
 def test_toggles_change_the_live_objects_at_once_and_back_exactly(
@@ -108,68 +119,68 @@ def test_toggles_change_the_live_objects_at_once_and_back_exactly(
     assert torch.is_anomaly_enabled()  # left on by the cell, as if it ran once
     assert "zero_grad" not in vars(ns["opt"])
 
-    panel.rows["debug-anomaly"].toggle.value = True
-    panel.rows["zero-grad-none"].toggle.value = True
+    send(panel, command="toggle", id="debug-anomaly", on=True)
+    send(panel, command="toggle", id="zero-grad-none", on=True)
     assert not torch.is_anomaly_enabled()
     assert "zero_grad" in vars(ns["opt"])  # patched on the live optimizer
     assert session.applied_ids == ["debug-anomaly", "zero-grad-none"]
+    assert shown(panel).applied == ["debug-anomaly", "zero-grad-none"]  # the view follows
 
-    panel.rows["debug-anomaly"].toggle.value = False
-    panel.rows["zero-grad-none"].toggle.value = False
+    send(panel, command="toggle", id="debug-anomaly", on=False)
+    send(panel, command="toggle", id="zero-grad-none", on=False)
     assert torch.is_anomaly_enabled()
     assert "zero_grad" not in vars(ns["opt"])
-    assert session.applied_ids == []
+    assert session.applied_ids == [] and shown(panel).applied == []
     assert ns.keys() == bindings.keys()
     assert all(ns[name] is value for name, value in bindings.items())
     for key, value in ns["model"].state_dict().items():
         assert torch.equal(value, state[key])
     assert ns["opt"].state_dict()["param_groups"] == opt_state["param_groups"]
-    assert panel.log.outputs == ()
+    assert panel.widget.notice == "" and panel.widget.messages == {}
 
 
-def test_code_changes_follow_the_toggles(panel: Panel, session: Session) -> None:
-    panel.code_toggle.value = True
-    assert "set_detect_anomaly" in panel.code_view.value  # all findings while none is on
-    assert "set_to_none=True" in panel.optimized.value
-    assert "%perfcheck insert" in panel.code_box.children[1].value  # how to insert it
+def test_code_changes_follow_the_applied_fixes(panel: Panel) -> None:
+    send(panel, command="show_code", open=True)
+    assert panel.widget.code_open
+    edits = shown(panel).notebook_edits
+    assert edits is not None and sorted(edits.fixes) == ["debug-anomaly", "zero-grad-none"]
 
-    panel.rows["debug-anomaly"].toggle.value = True
-    assert panel.optimized.value == session.optimized_cell(["debug-anomaly"])
-    assert "set_to_none=False" in panel.optimized.value
-    assert "set_detect_anomaly" not in panel.optimized.value
+    send(panel, command="toggle", id="debug-anomaly", on=True)
+    edits = shown(panel).notebook_edits
+    assert edits is not None and edits.fixes == ["debug-anomaly"]
+    send(panel, command="show_code", open=False)
+    assert not panel.widget.code_open
 
 
-def test_retime_measures_the_toggled_set_and_updates_rows_and_chart(
+def test_retime_measures_the_applied_set_and_keeps_every_earlier_measurement(
     panel: Panel, session: Session
 ) -> None:
-    first = panel.report
-    bar_values: list[float] = []
-    panel.bar.observe(lambda change: bar_values.append(change["new"]), "value")
-    seen_disabled: list[bool] = []
-    panel.retime_button.observe(lambda change: seen_disabled.append(change["new"]), "disabled")
+    first = shown(panel)
+    progress: list[str] = []
+    panel.widget.observe(lambda change: progress.append(change["new"]), "progress_message")
+    busy: list[bool] = []
+    panel.widget.observe(lambda change: busy.append(change["new"]), "busy")
 
-    panel.rows["debug-anomaly"].toggle.value = True
-    panel.rows["zero-grad-none"].toggle.value = True
-    panel.retime_button.click()
+    send(panel, command="toggle", id="debug-anomaly", on=True)
+    send(panel, command="toggle", id="zero-grad-none", on=True)
+    send(panel, command="retime")
 
-    report = panel.report
-    assert report is not first and report is session.report
+    report = shown(panel)
     together = report.variant_for(["debug-anomaly", "zero-grad-none"])
     assert together is not None and together.speedup is not None
-    assert report.variant_for(["debug-anomaly"]) is not None  # each toggled fix alone too
-    assert "debug-anomaly+zero-grad-none" in panel.chart.value
-    assert summary.speedup(report, together) in panel.chart.value
-    assert seen_disabled[:2] == [True, False]  # disabled while measuring, then back
-    assert max(bar_values) > 0
+    assert together.measured_at and together.baseline_median_s
+    # each applied fix alone again, and the first run's measurements are all still there
+    assert len(report.variants) == len(first.variants) + 3
+    assert report.variants[: len(first.variants)] == first.variants
+    assert busy[:1] == [True] and busy[-1] is False  # controls off while measuring
+    assert any(message.startswith("round ") and " of " in message for message in progress)
     assert session.applied_ids == ["debug-anomaly", "zero-grad-none"]  # still applied
-    assert all(row.toggle.value for row in panel.rows.values())
+    assert report.applied == ["debug-anomaly", "zero-grad-none"]
     assert not torch.is_anomaly_enabled()
-    assert panel.log.outputs == ()
+    assert panel.widget.notice == ""
 
 
-def test_a_fix_that_fails_to_apply_says_why_and_switches_off(
-    session: Session,
-) -> None:
+def test_a_fix_that_cannot_apply_says_why_in_its_row_and_stays_off(session: Session) -> None:
     finding = Finding(
         id="broken",
         title="A fix that cannot apply here",
@@ -184,31 +195,28 @@ def test_a_fix_that_fails_to_apply_says_why_and_switches_off(
     session.report.findings.append(finding)
     panel = Panel()
     panel.attach(session, session.report)
-    row = panel.rows["broken"]
 
-    row.toggle.value = True
+    send(panel, command="toggle", id="broken", on=True)
 
-    assert row.toggle.value is False
-    assert broken.patch_calls == 1  # switched off without trying again
-    assert "could not apply" in row.problem.value
-    assert "RuntimeError: this model cannot be compiled here" in row.problem.value
-    assert session.applied_ids == []
+    message = panel.widget.messages["broken"]
+    assert message["kind"] == "refused" and message["rerun"] is True
+    assert message["text"] == "could not apply: RuntimeError: this model cannot be compiled here"
+    assert broken.patch_calls == 1
+    assert session.applied_ids == [] and "broken" not in shown(panel).applied  # toggle off
     assert not hasattr(session.workload.namespace["model"], "half_done")
-    assert "&lt;b&gt;in&lt;/b&gt;" in row.info.value  # user-derived text is escaped
-    assert panel.log.outputs == ()
+    # toggling it off again clears the message
+    send(panel, command="toggle", id="broken", on=False)
+    assert "broken" not in panel.widget.messages
     panel.close()
 
 
-def test_a_slower_fix_is_never_shown_as_a_win(panel: Panel, session: Session) -> None:
+def test_a_slower_fix_is_never_applied_as_a_win(panel: Panel, session: Session) -> None:
     report = session.report
     assert report is not None
     for variant in report.variants:
         variant.speedup = 0.8  # as measured on a machine where the fix costs time
     panel.attach(session, report)
-
-    for row in panel.rows.values():
-        assert summary.SLOWER in row.result.value
-    panel.apply_wins()
+    send(panel, command="apply_wins")
     assert session.applied_ids == []
 
 
@@ -219,16 +227,21 @@ def test_apply_all_measured_wins_then_revert_all(panel: Panel, session: Session)
     report.variant_for(["zero-grad-none"]).speedup = 1.01  # within the no-change band
     panel.attach(session, report)
 
-    panel.wins_button.click()
+    send(panel, command="apply_wins")
     assert session.applied_ids == ["debug-anomaly"]
-    assert panel.rows["debug-anomaly"].toggle.value is True
-    assert panel.rows["zero-grad-none"].toggle.value is False
+    assert shown(panel).applied == ["debug-anomaly"]
 
-    panel.rows["zero-grad-none"].toggle.value = True
-    panel.revert_button.click()
-    assert session.applied_ids == []
-    assert not any(row.toggle.value for row in panel.rows.values())
+    send(panel, command="toggle", id="zero-grad-none", on=True)
+    send(panel, command="revert_all")
+    assert session.applied_ids == [] and shown(panel).applied == []
     assert torch.is_anomaly_enabled()
+
+
+def test_a_failing_command_lands_in_the_panel(panel: Panel) -> None:
+    send(panel, command="explode")
+    assert panel.widget.notice == "explode: ValueError: unknown panel command 'explode'"
+    send(panel, command="show_code", open=True)
+    assert panel.widget.notice == ""  # the next command clears it
 
 
 def test_report_is_displayed_and_each_retime_updates_the_same_display_id(
@@ -237,35 +250,37 @@ def test_report_is_displayed_and_each_retime_updates_the_same_display_id(
     from IPython.utils.capture import capture_output
 
     assert session.report is not None
-    with capture_output() as shown:
+    with capture_output() as output:
         panel = Panel(shell)
         panel.attach(session, session.report)
-        panel.retime_button.click()
+        send(panel, command="retime")
     display_id = f"ttm-report-{session.run_id}"
-    first, *updates = shown.outputs
+    first, *updates = output.outputs
     assert MIME_TYPE in first.data and "text/html" in first.data and "text/plain" in first.data
     assert first.transient == {"display_id": display_id} and not first.update
     assert updates, "the re-time updates the saved report in place"
     for update in updates:  # numbers stream in: every one updates the same output
         assert update.transient == {"display_id": display_id} and update.update
-    assert updates[-1].data[MIME_TYPE] == panel.report.to_dict()
+    assert updates[-1].data[MIME_TYPE] == panel.widget.report
     panel.close()
 
 
-def test_measuring_shows_the_panel_at_once_and_close_closes_every_widget(shell: Any) -> None:
+def test_measuring_shows_the_panel_at_once_and_close_closes_it(shell: Any) -> None:
     from IPython.utils.capture import capture_output
 
-    with capture_output() as shown:
+    with capture_output() as output:
         panel = Panel.measuring(shell, "abc123")
-    assert len(shown.outputs) == 1
+    assert len(output.outputs) == 1
+    data = output.outputs[0].data
+    assert "application/vnd.jupyter.widget-view+json" in data
     # what a front end that will not render widgets shows (and the labextension hides)
-    assert shown.outputs[0].data["text/plain"] == "torchtune-magic live panel (run abc123)"
-    assert "ttm-run-abc123" in panel.root._dom_classes
-    assert panel.progress_box.layout.display != "none"
-    panel.progress(0.5, "round 3")
-    assert panel.bar.value == 0.5 and panel.status.value == "round 3"
-    assert panel.retime_button.disabled
+    assert data["text/plain"] == "torchtune-magic live panel (run abc123)"
+    assert "ttm-run-abc123" in panel.widget._dom_classes
+    assert panel.widget.busy and not panel.widget.attached
+    assert panel.widget.report is None  # the view says "running the cell, then measuring…"
+    panel.progress(0.5, "round 3 of 6: debug-anomaly")
+    assert panel.widget.progress == 0.5
+    assert panel.widget.progress_message == "round 3 of 6: debug-anomaly"
 
-    parts = list(panel._widgets())
     panel.close()
-    assert all(widget.comm is None for widget in parts)
+    assert panel.widget.comm is None

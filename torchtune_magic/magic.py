@@ -33,15 +33,27 @@ _holding_fixes: list[Session] = []
 _latest: Session | None = None  # for `%perfcheck insert` (replaced by the next run)
 
 
-def _widgets_can_render(shell: Any) -> bool:
-    """A kernel with a front end (not terminal IPython) and ipywidgets installed."""
+def _panel_unavailable(shell: Any) -> str | None:
+    """Why the live panel cannot render in this kernel's front end, in words that say how
+    to get it; None when it can (or when there is no front end: terminal IPython)."""
     if getattr(shell, "kernel", None) is None:
-        return False
+        return None
     try:
+        import anywidget  # noqa: F401
         import ipywidgets  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as error:
+        return (
+            f"{error.name} is missing in this kernel's environment: "
+            "`pip install torchtune-magic` brings it (then restart the kernel)"
+        )
+    from .render.widget import missing_front_end
+
+    return missing_front_end()
+
+
+def _widgets_can_render(shell: Any) -> bool:
+    """A kernel with a front end (not terminal IPython) where the live panel can render."""
+    return getattr(shell, "kernel", None) is not None and _panel_unavailable(shell) is None
 
 
 class _UsageFormatter(MagicHelpFormatter):
@@ -172,7 +184,10 @@ class PerfcheckMagics(Magics):
 
     def _run(self, workload: Workload, options: Options) -> Report | None:
         __tracebackhide__ = True
-        live = options.widget and not options.quiet and _widgets_can_render(self.shell)
+        wanted = options.widget and not options.quiet
+        live = wanted and _widgets_can_render(self.shell)
+        if wanted and not live and (why := _panel_unavailable(self.shell)):
+            print(f"%%perfcheck: no live panel ({why}); showing the static report")
         global _latest
         session = Session(workload, options)
         _sessions.add(session)

@@ -5,7 +5,7 @@
 
 import { s } from './dom';
 import { formatBytes, formatSeconds } from './format';
-import { IReport, variantLabel } from './report';
+import { IReport, latestVariants, variantLabel } from './report';
 
 type BarKind = 'baseline' | 'better' | 'worse' | 'same';
 
@@ -15,14 +15,15 @@ interface IBar {
   kind: BarKind;
 }
 
-const WIDTH = 640;
-const LABEL_WIDTH = 190;
+const WIDTH = 660;
+const LABEL_WIDTH = 210;
 const VALUE_WIDTH = 80;
 const BAR_HEIGHT = 16;
 const ROW_HEIGHT = 22;
 const TITLE_HEIGHT = 24;
 const GROUP_GAP = 12;
-const MAX_LABEL_CHARS = 28;
+// labels are right-aligned before the bars: at 12px this many characters fit the width
+const MAX_LABEL_CHARS = 30;
 
 function compare(value: number, baseline: number): BarKind {
   if (value < baseline) {
@@ -41,7 +42,7 @@ function timeBars(report: IReport): IBar[] {
     return [];
   }
   const bars: IBar[] = [{ label: 'baseline', value: baseline, kind: 'baseline' }];
-  for (const variant of report.variants) {
+  for (const variant of latestVariants(report)) {
     if (variant.error === null && variant.median_s !== null) {
       bars.push({
         label: variantLabel(report, variant),
@@ -58,7 +59,7 @@ function memoryBars(report: IReport): IBar[] {
   if (baseline === null) {
     return [];
   }
-  const changed = report.variants.filter(
+  const changed = latestVariants(report).filter(
     v => v.error === null && v.peak_memory_bytes !== null && v.peak_memory_bytes !== baseline
   );
   if (changed.length === 0) {
@@ -130,7 +131,8 @@ export function renderChart(report: IReport): SVGSVGElement | null {
     className: 'ttm-chart',
     attrs: { role: 'img', 'aria-label': 'Before/after: median time per run and peak memory' }
   });
-  const timeGroup = group('Median time per run (shorter is faster)', time, formatSeconds, 0);
+  const unit = report.sampling ? report.sampling.unit : 'run';
+  const timeGroup = group(`Median time per ${unit} (shorter is faster)`, time, formatSeconds, 0);
   svg.appendChild(timeGroup.node);
   let height = timeGroup.height;
   const memory = memoryBars(report);

@@ -62,3 +62,21 @@ export function s<K extends keyof SVGElementTagNameMap>(
   }
   return node;
 }
+
+/**
+ * Copy text to the clipboard the way JupyterLab's `Clipboard.copyToSystem` does (a `copy`
+ * event during `execCommand('copy')`), so it works without clipboard permissions and
+ * outside JupyterLab (the live panel in VS Code or Colab) alike.
+ */
+export function copyText(text: string): void {
+  const onCopy = (event: ClipboardEvent) => {
+    event.clipboardData?.setData('text/plain', text);
+    event.preventDefault();
+  };
+  document.addEventListener('copy', onCopy);
+  try {
+    document.execCommand('copy');
+  } finally {
+    document.removeEventListener('copy', onCopy);
+  }
+}

@@ -1,19 +1,21 @@
 /**
- * The `torchtune-magic:toggle-perfcheck` command. Its toolbar button, context-menu item
- * and keyboard shortcut are declared in `schema/plugin.json` so users can change them.
+ * The `torchtune-magic:toggle-perfcheck` command (its toolbar button, context-menu item
+ * and keyboard shortcut are declared in `schema/plugin.json` so users can change them)
+ * and "Apply to notebook" (notebook-edits.ts).
  */
 
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { ICommandPalette } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { perfcheckIcon } from './icon';
+import { APPLY_COMMAND, activateNotebookEdits } from './notebook-edits';
 import { hasPerfcheck, togglePerfcheck } from './toggle';
 
 export const TOGGLE_COMMAND = 'torchtune-magic:toggle-perfcheck';
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'torchtune-magic:plugin',
-  description: 'Adds the "Toggle %%perfcheck" command for notebook code cells.',
+  description: 'Adds the "Toggle %%perfcheck" and "Apply %%perfcheck changes to notebook" commands.',
   autoStart: true,
   requires: [INotebookTracker],
   optional: [ICommandPalette],
@@ -45,7 +47,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
     tracker.activeCellChanged.connect(refresh);
     tracker.currentChanged.connect(refresh);
 
+    activateNotebookEdits(app, tracker);
+
     palette?.addItem({ command: TOGGLE_COMMAND, category: 'Notebook Cell Operations' });
+    palette?.addItem({ command: APPLY_COMMAND, category: 'Notebook Cell Operations' });
   }
 };
 

@@ -6,7 +6,7 @@ import { Widget } from '@lumino/widgets';
 import { LivePanelWatcher } from './coexist';
 import { h } from './dom';
 import { parseReport } from './report';
-import { renderReport } from './report-view';
+import { renderReport } from './view';
 
 export class ReportRenderer extends Widget implements IRenderMime.IRenderer {
   constructor(options: IRenderMime.IRendererOptions) {

@@ -1,12 +1,19 @@
 /**
  * The report produced by `%%perfcheck` (schema `torchtune-magic/report/v1`,
- * see `torchtune_magic/report.schema.json`) and the lookups the views need.
+ * see `torchtune_magic/report.schema.json`) and the lookups the view needs.
+ *
+ * Pure data: no DOM, no JupyterLab, so the same module serves the labextension and the
+ * anywidget ES module of the live panel.
  */
 
 export const MIME_TYPE = 'application/vnd.torchtune-magic.report.v1+json';
 export const SCHEMA_ID = 'torchtune-magic/report/v1';
 
+/** Speedups in [1, 1 + NO_CHANGE_BAND) read "no measurable change" (report.py's band). */
+export const NO_CHANGE_BAND = 0.02;
+
 export type Verdict = 'identical' | 'close' | 'changed' | 'not-compared';
+export type Phase = 'measuring' | 'finishing' | 'done' | 'interrupted';
 
 export interface IEnvironment {
   torch: string;
@@ -24,13 +31,9 @@ export interface IEnvironment {
 
 /** Compute throughput of one configuration (optional: absent in older reports). */
 export interface IThroughput {
-  /** Model FLOPs of one run. */
   flops?: number | null;
-  /** FLOPs of one run / median_s, in TFLOP/s. */
   achieved_tflops?: number | null;
-  /** Share of the device's peak; null where no peak is known. */
   utilisation?: number | null;
-  /** The effective peak the share is of (this configuration's precision mix). */
   peak_tflops?: number | null;
 }
 
@@ -40,18 +43,34 @@ export interface IStats extends IThroughput {
   runs: number;
   peak_memory_bytes: number | null;
   noisy?: boolean;
+  /** Sampled runs: the whole cell projected from the per-step time. */
+  projected_cell_s?: number | null;
+  /** When this measurement finished (ISO 8601, UTC). */
+  measured_at?: string | null;
 }
 
 export interface IBaseline extends IStats {
-  /** FLOPs by "dtype kind", e.g. "float32 conv". */
   flops_breakdown?: Record<string, number> | null;
-  /** Why FLOPs were not counted, when they were not. */
   flops_detail?: string | null;
+}
+
+/** One notebook cell to edit, found by execution count (null: the %%perfcheck cell). */
+export interface ICellChange {
+  execution_count: number | null;
+  before: string;
+  after: string;
+  diff: string;
 }
 
 export interface ICodeChange {
   diff: string;
   elsewhere: string[];
+  cells?: ICellChange[];
+}
+
+export interface INotebookEdits {
+  fixes: string[];
+  cells: ICellChange[];
 }
 
 export interface IFinding {
@@ -77,13 +96,45 @@ export interface IVariant extends IStats {
   speedup: number | null;
   numerics: INumerics;
   one_time_s: number | null;
+  /** What the one-time cost pays for, e.g. "compile", "worker start". */
+  one_time_cause?: string | null;
   break_even_runs?: number | null;
+  /** "memory": a memory fix under --memory, judged by its peak memory first. */
+  judged_by?: 'memory' | null;
+  /** The baseline median this speedup was measured against. */
+  baseline_median_s?: number | null;
   error: string | null;
 }
 
 export interface INotApplicable {
   id: string;
   reason: string;
+}
+
+export interface ISampling {
+  unit: string;
+  steps_per_run: number | null;
+  steps_detail: string;
+  warmup_steps: number;
+  steps_timed: number;
+  probe_steps: number;
+  probe_complete: boolean;
+}
+
+export interface ICellRun {
+  status: 'probe' | 'running' | 'complete' | 'interrupted' | 'failed' | 'skipped';
+  seconds?: number | null;
+  steps?: number | null;
+  fixes?: string[];
+  detail?: string | null;
+}
+
+export interface IOutOfMemory {
+  error: string;
+  line: number | null;
+  requested_bytes: number | null;
+  in_use_bytes: number | null;
+  in_use_measure: string;
 }
 
 export interface IReport {
@@ -99,6 +150,11 @@ export interface IReport {
   warnings?: string[];
   budget_s?: number | null;
   elapsed_s?: number | null;
+  phase?: Phase;
+  sampling?: ISampling | null;
+  cell_run?: ICellRun | null;
+  oom?: IOutOfMemory | null;
+  notebook_edits?: INotebookEdits | null;
 }
 
 function isObject(value: unknown): value is Record<string, unknown> {
@@ -106,7 +162,7 @@ function isObject(value: unknown): value is Record<string, unknown> {
 }
 
 /**
- * Check the shape the views rely on; the full schema is validated on the Python side.
+ * Check the shape the view relies on; the full schema is validated on the Python side.
  *
  * @throws Error naming the first missing or mistyped field.
  */
@@ -135,9 +191,49 @@ export function parseReport(data: unknown): IReport {
   return data as unknown as IReport;
 }
 
-/** The variant measuring this finding's fix alone (`fixes == [id]`), if any. */
+function key(fixes: string[]): string {
+  return [...fixes].sort().join('\u0000');
+}
+
+/** Numbers are still coming in: "measuring…" where one is missing. */
+export function isMeasuring(report: IReport): boolean {
+  return report.phase === 'measuring';
+}
+
+/** The newest measurement of exactly these fixes (`variants` keeps every measurement). */
+export function variantFor(report: IReport, fixes: string[]): IVariant | undefined {
+  const wanted = key(fixes);
+  for (let i = report.variants.length - 1; i >= 0; i--) {
+    if (key(report.variants[i].fixes) === wanted) {
+      return report.variants[i];
+    }
+  }
+  return undefined;
+}
+
+/** One variant per fix set, its newest measurement, in first-measured order. */
+export function latestVariants(report: IReport): IVariant[] {
+  const order: string[] = [];
+  const latest = new Map<string, IVariant>();
+  for (const variant of report.variants) {
+    const k = key(variant.fixes);
+    if (!latest.has(k)) {
+      order.push(k);
+    }
+    latest.set(k, variant);
+  }
+  return order.map(k => latest.get(k) as IVariant);
+}
+
+/** Earlier measurements of the same fix set as `variant`, oldest first, `variant` excluded. */
+export function earlierMeasurements(report: IReport, variant: IVariant): IVariant[] {
+  const k = key(variant.fixes);
+  return report.variants.filter(v => v !== variant && key(v.fixes) === k && v.speedup !== null);
+}
+
+/** The variant measuring this finding's fix alone, newest first. */
 export function soloVariant(report: IReport, findingId: string): IVariant | undefined {
-  return report.variants.find(v => v.fixes.length === 1 && v.fixes[0] === findingId);
+  return variantFor(report, [findingId]);
 }
 
 /** A short name for a variant: its fix ids, or "all fixes" for the combined one. */
@@ -147,4 +243,33 @@ export function variantLabel(report: IReport, variant: IVariant): string {
     return 'all fixes';
   }
   return variant.fixes.join(' + ');
+}
+
+/** A clear win: faster beyond the no-change band, without error. */
+export function isWin(variant: IVariant | undefined): boolean {
+  return (
+    variant !== undefined &&
+    variant.error === null &&
+    variant.speedup !== null &&
+    variant.speedup >= 1 + NO_CHANGE_BAND
+  );
+}
+
+/**
+ * A check that fired and whose fix, measured alone, gained nothing clear: no error, a
+ * speedup below the no-change band, and not a memory fix judged by memory. Shown apart
+ * ("checked: no gain here"), never as a finding to act on.
+ */
+export function isNoGain(report: IReport, finding: IFinding): boolean {
+  if (!finding.fixable) {
+    return false;
+  }
+  const variant = soloVariant(report, finding.id);
+  return (
+    variant !== undefined &&
+    variant.error === null &&
+    variant.speedup !== null &&
+    variant.judged_by !== 'memory' &&
+    variant.speedup < 1 + NO_CHANGE_BAND
+  );
 }

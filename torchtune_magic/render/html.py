@@ -1,107 +1,212 @@
-"""Static HTML: the `text/html` fallback GitHub, nbviewer and VS Code show.
+"""Static HTML: the `text/html` fallback GitHub, nbviewer and VS Code show without the
+labextension. It lays the report out as the view does (labextension/src/view.ts): the
+summary, the findings to act on, the checks that measured no gain (collapsed), the fixes
+together, the chart, the code changes as coloured diffs, the not-applicable checks under
+one heading. No script; inline styles only (no stylesheet travels with an output).
 
-Every string that can come from user code is escaped. The chart is inline SVG, no script.
+Every string that can come from user code is escaped.
 """
 
 from __future__ import annotations
 
 from html import escape
 
-from ..report import Report, Variant
+from ..report import Finding, Report, Variant
 from . import summary
 
 _STYLE = (
     "font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:13px;"
-    "color:var(--jp-ui-font-color1,#222)"
+    "line-height:1.4;color:var(--jp-content-font-color1,#222)"
 )
+_TONES = {"good": "#1b5e20", "bad": "#b71c1c", "neutral": "inherit", "pending": "#616161"}
+_CELL = "border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top"
+_BADGE = (
+    "display:inline-block;white-space:nowrap;border:1px solid #bbb;border-left-width:4px;"
+    "border-radius:3px;padding:0 6px;margin:1px 4px 1px 0;font-size:12px;background:#f3f3f3;"
+    "color:#222"
+)
+_NOTE = "color:#616161;font-size:12px"
+_DIFF_LINE = {
+    "+": "color:#1b5e20;background:#e8f5e9",
+    "-": "color:#b71c1c;background:#ffebee",
+    "@": "color:#006064",
+}
+_BAR_X = 210  # labels end here, right-aligned; bars start after it
 _BAR_W = 320
+_LABEL_CHARS = 30
 
 
 def _e(value: object) -> str:
     return escape(str(value), quote=True)
 
 
+def _badge(text: str, tone: str = "neutral", title: str = "") -> str:
+    color = _TONES[tone] if tone != "neutral" else "#222"
+    edge = {"good": "#1b5e20", "bad": "#b71c1c"}.get(tone, "#999")
+    title_attr = f' title="{_e(title)}"' if title else ""
+    return (
+        f'<span style="{_BADGE};color:{color};border-left-color:{edge}"{title_attr}>'
+        f"{_e(text)}</span>"
+    )
+
+
+def _tone(report: Report, variant: Variant | None) -> str:
+    if variant is None or (variant.speedup is None and not variant.error):
+        return "pending"
+    if variant.error or variant.is_slower:
+        return "bad"
+    return "good" if variant.is_win or variant.judged_by == "memory" else "neutral"
+
+
 def chart(report: Report) -> str:
-    """Before/after bars: baseline and every measured variant, time (ms) to scale."""
-    rows: list[tuple[str, float, bool]] = []
+    """Before/after bars: baseline and every fix set's newest measurement, to scale."""
+    rows: list[tuple[str, float, str]] = []
     if report.baseline.median_s:
-        rows.append(("baseline", report.baseline.median_s, False))
+        rows.append(("baseline", report.baseline.median_s, "#757575"))
     for variant in report.latest_variants():
         if variant.median_s and not variant.error:
-            rows.append(("+".join(variant.fixes), variant.median_s, variant.is_slower))
+            color = "#d32f2f" if variant.is_slower else "#388e3c"
+            rows.append(("+".join(variant.fixes), variant.median_s, color))
     if len(rows) < 2:
         return ""
     longest = max(value for _, value, _ in rows)
     height = 22 * len(rows) + 6
     parts = [
-        f'<svg role="img" aria-label="before/after time" width="{_BAR_W + 330}" '
+        f'<svg role="img" aria-label="before/after time" width="{_BAR_X + _BAR_W + 90}" '
         f'height="{height}" xmlns="http://www.w3.org/2000/svg">'
     ]
-    for index, (label, value, slower) in enumerate(rows):
+    for index, (label, value, color) in enumerate(rows):
         y = 4 + 22 * index
         width = max(2, int(_BAR_W * value / longest))
-        color = "#9e9e9e" if index == 0 else ("#e57373" if slower else "#43a047")
+        short = label if len(label) <= _LABEL_CHARS else label[: _LABEL_CHARS - 1] + "…"
         parts.append(
-            f'<text x="0" y="{y + 14}" font-size="12" fill="currentColor">{_e(label[:40])}</text>'
-            f'<rect x="200" y="{y}" width="{width}" height="16" fill="{color}"/>'
-            f'<text x="{206 + width}" y="{y + 13}" font-size="11" fill="currentColor">'
-            f"{_e(summary.seconds(value))}</text>"
+            f"<g><title>{_e(label)}: {_e(summary.seconds(value))}</title>"
+            f'<text x="{_BAR_X - 8}" y="{y + 13}" font-size="12" text-anchor="end" '
+            f'fill="currentColor">{_e(short)}</text>'
+            f'<rect x="{_BAR_X}" y="{y}" width="{width}" height="16" rx="2" fill="{color}"/>'
+            f'<text x="{_BAR_X + width + 6}" y="{y + 13}" font-size="11" fill="currentColor">'
+            f"{_e(summary.seconds(value))}</text></g>"
         )
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _finding_row(report: Report, index: int, variant: Variant | None, finding) -> str:
-    fix = summary.speedup(report, variant) if finding.fixable else "no live fix"
-    badges = " ".join(
-        f'<span style="border:1px solid #999;border-radius:3px;padding:0 3px">{_e(text)}</span>'
-        for text in (
-            summary.numerics(variant),
-            summary.memory_change(report, variant),
-            summary.throughput(variant),
-        )
-        if text
+def _diff(diff: str, caption: str) -> str:
+    lines = "".join(
+        f'<span style="display:block;white-space:pre;{_DIFF_LINE.get(line[:1], "")}">'
+        f"{_e(line)}</span>"
+        for line in diff.rstrip("\n").splitlines()
     )
-    change = ""
-    if finding.code_change and (finding.code_change.diff or finding.code_change.elsewhere):
-        items = "".join(f"<li>{_e(item)}</li>" for item in finding.code_change.elsewhere)
-        diff = (
-            f"<pre style='margin:2px 0'>{_e(finding.code_change.diff)}</pre>"
-            if finding.code_change.diff
-            else ""
-        )
-        change = (
-            f"<details><summary>code change</summary>{diff}"
-            f"{f'<ul>{items}</ul>' if items else ''}</details>"
-        )
-    caveat = f"<div><i>caveat:</i> {_e(finding.caveat)}</div>" if finding.caveat else ""
     return (
-        f"<tr><td>{index}</td><td><code>{_e(finding.id)}</code></td>"
-        f"<td><b>{_e(finding.title)}</b><div>{_e(finding.evidence)}</div>"
-        f"<div><i>where:</i> {_e(finding.where)} · <i>guide:</i> {_e(finding.guide)}</div>"
-        f"{caveat}{change}</td><td>{_e(fix)}<div>{badges}</div></td></tr>"
+        f'<div style="{_NOTE};margin-top:4px">{_e(caption)}</div>'
+        '<pre style="margin:2px 0;padding:4px 8px;border:1px solid #ddd;overflow-x:auto;'
+        f'font-size:12px">{lines}</pre>'
     )
+
+
+def _cell_name(execution_count: int | None) -> str:
+    return "this cell (%%perfcheck)" if execution_count is None else f"In[{execution_count}]"
+
+
+def _row(report: Report, finding: Finding) -> str:
+    variant = summary.solo_variant(report, finding)
+    if finding.fixable:
+        notes = [summary.earlier(report, variant)] if variant else []
+        fix = f'<span style="color:{_TONES[_tone(report, variant)]}">' + _e(
+            summary.speedup(report, variant)
+        )
+        fix += "</span>" + "".join(f'<div style="{_NOTE}">{_e(n)}</div>' for n in notes if n)
+    else:
+        fix = f'<span style="{_NOTE}">not auto-fixable</span>'
+    memory = summary.memory_badge(report, variant)
+    memory_html = (
+        _badge(memory, summary.memory_tone(report, variant), summary.memory_change(report, variant))
+        if memory
+        else "–"
+    )
+    verdict = summary.numerics(variant) if variant and variant.speedup is not None else ""
+    compute = summary.throughput(variant)
+    applied = _badge("applied", "good") if finding.id in report.applied else ""
+    caveat = (
+        f'<div style="color:#b71c1c">Caveat: {_e(finding.caveat)}</div>' if finding.caveat else ""
+    )
+    return (
+        f'<tr data-finding="{_e(finding.id)}">'
+        f'<td style="{_CELL}"><code>{_e(finding.id)}</code> {applied}'
+        f"<div><b>{_e(finding.title)}</b></div>"
+        f'<div style="{_NOTE}">Guide: {_e(finding.guide)}</div>{caveat}</td>'
+        f'<td style="{_CELL}">{_e(finding.evidence)}</td>'
+        f'<td style="{_CELL}">{_e(finding.where)}</td>'
+        f'<td style="{_CELL}">{fix}{_badge(compute) if compute else ""}</td>'
+        f'<td style="{_CELL}">{memory_html}</td>'
+        f'<td style="{_CELL}">{_badge(verdict) if verdict else "–"}</td></tr>'
+    )
+
+
+def _table(report: Report, findings: list[Finding]) -> str:
+    head = "".join(
+        f'<th style="{_CELL};color:#616161">{t}</th>'
+        for t in ("Finding", "Evidence", "Where", "Fix alone", "Memory", "Results")
+    )
+    rows = "".join(_row(report, f) for f in findings)
+    return (
+        f'<table style="border-collapse:collapse;width:100%"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{rows}</tbody></table>"
+    )
+
+
+def _code_changes(report: Report) -> str:
+    blocks = []
+    edits = report.notebook_edits
+    if edits and edits.cells:
+        applied = ", ".join(report.applied)
+        scope = f"the fixes applied ({applied})" if applied else "every finding"
+        names = " and ".join(_cell_name(c.execution_count) for c in edits.cells)
+        blocks.append(f"<div>To make {_e(scope)} permanent, edit {_e(names)}:</div>")
+        blocks += [_diff(c.diff, _cell_name(c.execution_count)) for c in edits.cells]
+    else:
+        for finding in report.findings:
+            change = finding.code_change
+            if change is None:
+                continue
+            parts = [_diff(c.diff, _cell_name(c.execution_count)) for c in change.cells]
+            if not parts and change.diff:
+                parts.append(_diff(change.diff, "In this cell"))
+            if change.elsewhere:
+                items = "".join(f"<li><code>{_e(item)}</code></li>" for item in change.elsewhere)
+                parts.append(f"<div>Where the objects are created:</div><ul>{items}</ul>")
+            if parts:
+                title = f"<div><code>{_e(finding.id)}</code> {_e(finding.title)}</div>"
+                blocks.append(title + "".join(parts))
+    if not blocks:
+        return ""
+    return f"<details open><summary><b>Code changes</b></summary>{''.join(blocks)}</details>"
 
 
 def render(report: Report) -> str:
-    rows = "".join(
-        _finding_row(report, i, summary.solo_variant(report, f), f)
-        for i, f in enumerate(report.findings, 1)
-    )
-    table = (
-        "<table><thead><tr><th>#</th><th>check</th><th>finding</th><th>measured fix</th>"
-        f"</tr></thead><tbody>{rows}</tbody></table>"
-        if rows
-        else "<p>No findings: nothing in this cell matches the tuning guide's checks.</p>"
-    )
+    act = [f for f in report.findings if not summary.no_gain(report, f)]
+    no_gain = [f for f in report.findings if summary.no_gain(report, f)]
+    if not report.findings:
+        findings = "<p>No findings: nothing in this cell matches the tuning guide's checks.</p>"
+    else:
+        findings = f"<h4>Findings ({len(act)})</h4>" + (_table(report, act) if act else "")
+    if no_gain:
+        findings += (
+            f"<details><summary>{_e(summary.NO_GAIN)} ({len(no_gain)})</summary>"
+            f"{_table(report, no_gain)}</details>"
+        )
     together = "".join(
-        f"<p>All fixes together ({_e(', '.join(v.fixes))}): {_e(summary.speedup(report, v))}</p>"
+        f"<p>{_e(', '.join(v.fixes))} together: "
+        f'<span style="color:{_TONES[_tone(report, v)]}">{_e(summary.speedup(report, v))}</span>'
+        + (
+            " " + _badge(summary.memory_badge(report, v), summary.memory_tone(report, v))
+            if summary.memory_badge(report, v)
+            else ""
+        )
+        + "</p>"
         for v in report.latest_variants()
         if len(v.fixes) > 1
     )
-    notes = "".join(
-        f"<li><code>{_e(n.id)}</code>: {_e(n.reason)}</li>" for n in report.not_applicable
-    ) + "".join(f"<li>warning: {_e(w)}</li>" for w in report.warnings)
     context = "".join(
         f"<div>{_e(line)}</div>"
         for line in (
@@ -112,9 +217,19 @@ def render(report: Report) -> str:
         )
         if line
     )
+    not_applicable = (
+        f"<details><summary>Not applicable here ({len(report.not_applicable)})</summary><ul>"
+        + "".join(
+            f"<li><code>{_e(n.id)}</code>: {_e(n.reason)}</li>" for n in report.not_applicable
+        )
+        + "</ul></details>"
+        if report.not_applicable
+        else ""
+    )
+    warnings = "".join(f"<li>{_e(w)}</li>" for w in report.warnings)
     return (
         f'<div class="ttm-report" style="{_STYLE}">'
-        f"<b>%%perfcheck</b> · {_e(summary.baseline_line(report))}{context}"
-        f"{chart(report)}{table}{together}"
-        f"{f'<ul>{notes}</ul>' if notes else ''}</div>"
+        f"<b>%%perfcheck report</b><div>{_e(summary.baseline_line(report))}</div>{context}"
+        f"{findings}{together}{chart(report)}{_code_changes(report)}{not_applicable}"
+        f"{f'<h4>Warnings</h4><ul>{warnings}</ul>' if warnings else ''}</div>"
     )

@@ -2,14 +2,72 @@
 
 from __future__ import annotations
 
-from ..report import Finding, Report, Stats, Variant
+from datetime import datetime
+
+from ..report import NO_CHANGE_BAND, Finding, Report, Stats, Variant
 
 SLOWER = "measured slower here — not recommended"
 MEASURING = "measuring…"
+NO_GAIN = "checked: no gain here"
+MEMORY_SAME = 0.01  # peak memory moved by less than this share reads "same memory"
 
 
 def solo_variant(report: Report, finding: Finding) -> Variant | None:
     return report.variant_for([finding.id])
+
+
+def count(n: int, noun: str, nouns: str | None = None) -> str:
+    """`1 run`, `2 runs`."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def no_gain(report: Report, finding: Finding) -> bool:
+    """A check that fired and whose fix, measured alone, gained nothing clear (no error, a
+    speedup below the no-change band, not a memory fix judged by memory): shown apart as
+    "checked: no gain here", never as a finding to act on (the labextension's isNoGain)."""
+    if not finding.fixable:
+        return False
+    variant = solo_variant(report, finding)
+    return (
+        variant is not None
+        and not variant.error
+        and variant.speedup is not None
+        and variant.judged_by != "memory"
+        and variant.speedup < 1.0 + NO_CHANGE_BAND
+    )
+
+
+def clock(iso: str | None) -> str:
+    """`14:02` in this machine's time zone, from an ISO 8601 time; '' when there is none."""
+    if not iso:
+        return ""
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone().strftime("%H:%M")
+    except ValueError:
+        return ""
+
+
+def earlier(report: Report, variant: Variant) -> str:
+    """Earlier measurements of the same fixes: `earlier: 1.80x at 14:02`, or ''."""
+    key = sorted(variant.fixes)
+    parts = []
+    for old in report.variants:
+        if old is variant or sorted(old.fixes) != key or old.speedup is None:
+            continue
+        factor = "failed" if old.error else f"{old.speedup:.2f}x"
+        at = clock(old.measured_at)
+        parts.append(f"{factor} at {at}" if at else factor)
+    return f"earlier: {', '.join(parts)}" if parts else ""
+
+
+def measured_before(report: Report, variant: Variant) -> str:
+    """`measured at 14:02, before the latest baseline` for a number from an earlier
+    round (a Re-time measured other fixes since), or ''."""
+    if not variant.measured_at or not report.baseline.measured_at:
+        return ""
+    if variant.measured_at >= report.baseline.measured_at:
+        return ""
+    return f"measured at {clock(variant.measured_at)}, before the latest baseline"
 
 
 def seconds(value: float | None) -> str:
@@ -59,11 +117,8 @@ def speedup(report: Report, variant: Variant | None) -> str:
         text += " — no measurable change"
     if variant.noisy:
         text += " (noisy)"
-    whole = projected(report, variant)
-    if whole:
-        text += f"; {whole}"
-    one_time = one_time_cost(variant)
-    return f"{text}; {one_time}" if one_time else text
+    extras = [projected(report, variant), one_time_cost(variant), measured_before(report, variant)]
+    return "; ".join([text, *(extra for extra in extras if extra)])
 
 
 def memory_first(report: Report, variant: Variant) -> str:
@@ -94,19 +149,45 @@ def one_time_cost(variant: Variant) -> str:
     cause = variant.one_time_cause or "compile, worker start"
     text = f"{seconds(variant.one_time_s)} one-time ({cause})"
     if variant.break_even_runs is not None:
-        runs = variant.break_even_runs
-        text += f", pays back after {runs} run{'s' if runs != 1 else ''}"
+        text += f", pays back after {count(variant.break_even_runs, 'run')}"
     return text
 
 
-def memory_change(report: Report, variant: Variant | None) -> str:
-    if variant is None or variant.peak_memory_bytes is None:
-        return ""
+def memory_delta(report: Report, variant: Variant | None) -> float | None:
+    """Peak memory's change from the baseline as a share (-0.76: 76% less), or None."""
+    if variant is None or variant.error or variant.peak_memory_bytes is None:
+        return None
     base = report.baseline.peak_memory_bytes
-    if not base:
-        return size(variant.peak_memory_bytes)
-    ratio = variant.peak_memory_bytes / base
-    return f"{size(base)} → {size(variant.peak_memory_bytes)} ({ratio:.2f}x)"
+    return variant.peak_memory_bytes / base - 1 if base else None
+
+
+def memory_tone(report: Report, variant: Variant | None) -> str:
+    """`good` (less memory), `bad` (more) or `neutral`: the colour of memory_change."""
+    delta = memory_delta(report, variant)
+    if delta is None or abs(delta) < MEMORY_SAME:
+        return "neutral"
+    return "good" if delta < 0 else "bad"
+
+
+def memory_badge(report: Report, variant: Variant | None) -> str:
+    """`−76% memory`, `+28% memory`, `same memory`, or '' where not measured."""
+    if variant is None or variant.error or variant.peak_memory_bytes is None:
+        return ""
+    delta = memory_delta(report, variant)
+    if delta is None:
+        return f"{size(variant.peak_memory_bytes)} peak"
+    if abs(delta) < MEMORY_SAME:
+        return "same memory"
+    return f"{'−' if delta < 0 else '+'}{abs(delta):.0%} memory"
+
+
+def memory_change(report: Report, variant: Variant | None) -> str:
+    """`−76% memory (288.0 MiB → 69.1 MiB)`: the sign says good (−) or bad (+)."""
+    badge = memory_badge(report, variant)
+    base = report.baseline.peak_memory_bytes
+    if not badge or variant is None or not base:
+        return badge
+    return f"{badge} ({size(base)} → {size(variant.peak_memory_bytes)})"
 
 
 def numerics(variant: Variant | None) -> str:
@@ -157,7 +238,7 @@ def baseline_line(report: Report) -> str:
     )
     return (
         f"baseline {seconds(b.median_s)}{per_step(report)} ± {seconds(b.iqr_s)} IQR over "
-        f"{b.runs} runs{noisy}, peak memory {size(b.peak_memory_bytes)}{compute}{whole} — "
+        f"{count(b.runs, 'run')}{noisy}, peak memory {size(b.peak_memory_bytes)}{compute}{whole} — "
         f"{device}"
     )
 
@@ -208,7 +289,7 @@ def cell_run_line(report: Report) -> str:
         return f"finishing the cell: its one complete run{with_fixes}…"
     if run.status == "skipped":
         return "--no-finish: the cell's complete run was skipped; the kernel is as before the cell"
-    done = f"{run.steps} {plural(unit)}" if run.steps is not None else ""
+    done = count(run.steps, unit, plural(unit)) if run.steps is not None else ""
     took = ", ".join(part for part in (seconds(run.seconds), done) if part)
     if run.status == "complete":
         return f"the cell's complete run: {took}{with_fixes}"
@@ -222,4 +303,6 @@ def phase_line(report: Report) -> str:
         return "measuring… numbers fill in as each configuration is measured"
     if report.phase == "interrupted":
         return "interrupted (Ctrl-C) before every number was in"
+    if report.phase == "finishing":
+        return "every number is in; the cell's complete run is under way"
     return ""

@@ -1,9 +1,45 @@
-"""Plain-text rendering: terminals, logs, the `text/plain` fallback."""
+"""Plain-text rendering: terminals, logs, the `text/plain` fallback.
+
+Reads like the view (labextension/src/view.ts): findings to act on first, then the checks
+that measured no gain, then the not-applicable checks under one heading.
+"""
 
 from __future__ import annotations
 
-from ..report import Report
+from ..report import Finding, Report
 from . import summary
+
+
+def _finding(report: Report, index: int, finding: Finding) -> list[str]:
+    variant = summary.solo_variant(report, finding)
+    applied = " (applied)" if finding.id in report.applied else ""
+    lines = [f"{index}. [{finding.id}] {finding.title}{applied}"]
+    lines.append(f"   evidence: {finding.evidence}")
+    lines.append(f"   where:    {finding.where}")
+    if finding.fixable:
+        lines.append(f"   fix:      {summary.speedup(report, variant)}")
+        for label, text in (
+            ("memory", summary.memory_change(report, variant)),
+            ("numerics", summary.numerics(variant)),
+            ("compute", summary.throughput(variant)),
+            ("before", summary.earlier(report, variant) if variant else ""),
+        ):
+            if text:
+                lines.append(f"   {label + ':':9} {text}")
+    else:
+        lines.append("   fix:      no live fix; make the code change below")
+    if finding.caveat:
+        lines.append(f"   caveat:   {finding.caveat}")
+    change = finding.code_change
+    if change and change.cells:
+        for cell in change.cells:
+            lines.extend("   | " + line for line in cell.diff.splitlines())
+    elif change and change.diff:
+        lines.extend("   | " + line for line in change.diff.splitlines())
+    for item in change.elsewhere if change else []:
+        lines.append(f"   also: {item}")
+    lines.append(f"   guide:    {finding.guide}")
+    return lines
 
 
 def render(report: Report) -> str:
@@ -19,41 +55,34 @@ def render(report: Report) -> str:
         if line
     ]
     lines.append("")
+    act = [f for f in report.findings if not summary.no_gain(report, f)]
+    no_gain = [f for f in report.findings if summary.no_gain(report, f)]
     if not report.findings:
         lines.append("No findings: nothing in this cell matches the tuning guide's checks.")
-    for index, finding in enumerate(report.findings, 1):
-        variant = summary.solo_variant(report, finding)
-        lines.append(f"{index}. [{finding.id}] {finding.title}")
-        lines.append(f"   evidence: {finding.evidence}")
-        lines.append(f"   where:    {finding.where}")
-        if finding.fixable:
-            lines.append(f"   fix:      {summary.speedup(report, variant)}")
-            for label, text in (
-                ("memory", summary.memory_change(report, variant)),
-                ("numerics", summary.numerics(variant)),
-                ("compute", summary.throughput(variant)),
-            ):
-                if text:
-                    lines.append(f"   {label + ':':9} {text}")
-        else:
-            lines.append("   fix:      no live fix; make the code change below")
-        if finding.caveat:
-            lines.append(f"   caveat:   {finding.caveat}")
-        if finding.code_change and finding.code_change.diff:
-            lines.extend("   | " + line for line in finding.code_change.diff.splitlines())
-        for item in finding.code_change.elsewhere if finding.code_change else []:
-            lines.append(f"   also: {item}")
-        lines.append(f"   guide:    {finding.guide}")
-    together = [v for v in report.latest_variants() if len(v.fixes) > 1]
-    for variant in together:
+    for index, finding in enumerate(act, 1):
+        lines.extend(_finding(report, index, finding))
+    if no_gain:
+        lines.append("")
+        lines.append(f"{summary.NO_GAIN} ({len(no_gain)}):")
+        for finding in no_gain:
+            variant = summary.solo_variant(report, finding)
+            lines.append(f"   [{finding.id}] {finding.title}: {summary.speedup(report, variant)}")
+    for variant in (v for v in report.latest_variants() if len(v.fixes) > 1):
         lines.append("")
         lines.append(
             f"all fixes together ({', '.join(variant.fixes)}): {summary.speedup(report, variant)}"
         )
-        if variant.achieved_tflops is not None:
-            lines.append(f"   compute:  {summary.throughput(variant)}")
-    for item in report.not_applicable:
-        lines.append(f"[{item.id}] {item.reason}")
+        for label, text in (
+            ("memory", summary.memory_change(report, variant)),
+            ("compute", summary.throughput(variant)),
+            ("before", summary.earlier(report, variant)),
+        ):
+            if text:
+                lines.append(f"   {label + ':':9} {text}")
+    if report.not_applicable:
+        lines.append("")
+        lines.append(f"not applicable here ({len(report.not_applicable)}):")
+        lines.extend(f"   [{item.id}] {item.reason}" for item in report.not_applicable)
     for warning in report.warnings:
         lines.append(f"warning: {warning}")
     if report.applied:

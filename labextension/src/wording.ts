@@ -1,0 +1,255 @@
+/**
+ * What the view says, in words: the TypeScript side of `torchtune_magic/render/summary.py`
+ * (the text and static HTML fallbacks say the same things from there). Pure strings.
+ */
+
+import { formatBytes, formatFactor, formatSeconds } from './format';
+import {
+  IReport,
+  IVariant,
+  NO_CHANGE_BAND,
+  isMeasuring,
+  isWin
+} from './report';
+
+export const MEASURING = 'measuring…';
+export const SLOWER = 'measured slower here — not recommended';
+
+/** Good, bad or neither: the colour a figure is shown in. */
+export type Tone = 'good' | 'bad' | 'neutral' | 'pending';
+
+export interface IWorded {
+  text: string;
+  tone: Tone;
+  title?: string;
+}
+
+/** "1 run", "2 runs" (and any other count and noun). */
+export function count(n: number, noun: string, nouns = `${noun}s`): string {
+  return `${n} ${n === 1 ? noun : nouns}`;
+}
+
+/** `batches`, `optimizer steps`, `forwards` (summary.plural). */
+export function plural(unit: string): string {
+  return /(ch|sh|s|x)$/.test(unit) ? `${unit}es` : `${unit}s`;
+}
+
+/** " per batch" when runs were sampled (times are then per step), else "". */
+export function perStep(report: IReport): string {
+  return report.sampling ? ` per ${report.sampling.unit}` : '';
+}
+
+/** `14:02` in the reader's time zone, from an ISO 8601 time; "" when there is none. */
+export function clock(iso: string | null | undefined): string {
+  if (!iso) {
+    return '';
+  }
+  const when = new Date(iso);
+  if (Number.isNaN(when.getTime())) {
+    return '';
+  }
+  const pad = (n: number) => String(n).padStart(2, '0');
+  return `${pad(when.getHours())}:${pad(when.getMinutes())}`;
+}
+
+/** `6.8× less peak memory for 5% more time`: a memory fix judged by memory (--memory). */
+function memoryFirst(report: IReport, variant: IVariant): string {
+  const speedup = variant.speedup as number;
+  const change = 1 / speedup - 1;
+  const cost = `${Math.round(Math.abs(change) * 100)}% ${change >= 0 ? 'more' : 'less'} time`;
+  const before = report.baseline.peak_memory_bytes;
+  const after = variant.peak_memory_bytes;
+  if (!before || !after) {
+    return `peak memory not measured; ${cost}`;
+  }
+  const ratio = before / after;
+  const less = ratio >= 1 ? `${ratio.toFixed(1)}× less` : `${(1 / ratio).toFixed(1)}× more`;
+  return `${less} peak memory for ${cost}`;
+}
+
+/**
+ * What a fix measured: `1.54× faster`, `0.98× — measured slower here — not recommended`,
+ * `1.01× — no measurable change`, `failed: …`, `measuring…` or `not measured`.
+ */
+export function speedup(report: IReport, variant: IVariant | undefined): IWorded {
+  if (variant === undefined || (variant.speedup === null && variant.error === null)) {
+    return isMeasuring(report)
+      ? { text: MEASURING, tone: 'pending' }
+      : { text: 'not measured', tone: 'neutral' };
+  }
+  if (variant.error !== null) {
+    return { text: `failed: ${variant.error}`, tone: 'bad' };
+  }
+  const factor = variant.speedup as number;
+  if (variant.judged_by === 'memory') {
+    const text = memoryFirst(report, variant);
+    const smaller = (variant.peak_memory_bytes ?? Infinity) < (report.baseline.peak_memory_bytes ?? 0);
+    return { text, tone: smaller ? 'good' : 'bad' };
+  }
+  const base = `${formatFactor(factor)}${perStep(report)}`;
+  if (factor < 1) {
+    return { text: `${base} — ${SLOWER}`, tone: 'bad' };
+  }
+  if (factor < 1 + NO_CHANGE_BAND) {
+    return { text: `${base} — no measurable change`, tone: 'neutral' };
+  }
+  return { text: `${base} faster`, tone: isWin(variant) ? 'good' : 'neutral' };
+}
+
+/** `whole cell 61.2 s → 27.0 s (projected)` for a sampled measurement, or "". */
+export function projected(report: IReport, variant: IVariant): string {
+  const before = report.baseline.projected_cell_s;
+  const after = variant.projected_cell_s;
+  if (before === null || before === undefined || after === null || after === undefined) {
+    return '';
+  }
+  return `whole cell ${formatSeconds(before)} → ${formatSeconds(after)} (projected)`;
+}
+
+/** `13.8 s one-time (compile), pays back after 92 runs`, or "". */
+export function oneTime(variant: IVariant): string {
+  if (variant.one_time_s === null || variant.one_time_s === undefined) {
+    return '';
+  }
+  const cause = variant.one_time_cause || 'compile, worker start';
+  let text = `${formatSeconds(variant.one_time_s)} one-time (${cause})`;
+  if (variant.break_even_runs !== null && variant.break_even_runs !== undefined) {
+    text += `, pays back after ${count(variant.break_even_runs, 'run')}`;
+  }
+  return text;
+}
+
+/** Peak memory moved by less than this share reads "same memory". */
+const MEMORY_SAME = 0.01;
+
+/** `−76% memory` (good) or `+28% memory` (bad), the bytes in the title; null if unknown. */
+export function memory(report: IReport, variant: IVariant | undefined): IWorded | null {
+  if (variant === undefined || variant.error !== null || variant.peak_memory_bytes === null) {
+    return null;
+  }
+  const base = report.baseline.peak_memory_bytes;
+  if (!base) {
+    return { text: `${formatBytes(variant.peak_memory_bytes)} peak`, tone: 'neutral' };
+  }
+  const change = variant.peak_memory_bytes / base - 1;
+  const title = `peak memory ${formatBytes(base)} → ${formatBytes(variant.peak_memory_bytes)}`;
+  if (Math.abs(change) < MEMORY_SAME) {
+    return { text: 'same memory', tone: 'neutral', title };
+  }
+  const percent = Math.round(Math.abs(change) * 100);
+  return change < 0
+    ? { text: `−${percent}% memory`, tone: 'good', title }
+    : { text: `+${percent}% memory`, tone: 'bad', title };
+}
+
+/** Earlier measurements of a fix set: `earlier: 1.80× at 14:02, 1.62× at 14:10`. */
+export function earlier(variants: IVariant[]): string {
+  const parts = variants.map(v => {
+    const at = clock(v.measured_at);
+    const factor = v.error !== null ? 'failed' : formatFactor(v.speedup as number);
+    return at ? `${factor} at ${at}` : factor;
+  });
+  return parts.length > 0 ? `earlier: ${parts.join(', ')}` : '';
+}
+
+/** `measured at 14:02, before the latest baseline` for a number from an earlier round. */
+export function measuredBefore(report: IReport, variant: IVariant): string {
+  const at = variant.measured_at;
+  const base = report.baseline.measured_at;
+  if (!at || !base || at >= base) {
+    return '';
+  }
+  return `measured at ${clock(at)}, before the latest baseline`;
+}
+
+/** The baseline's timing: `412 ms ± 11.0 ms per batch over 9 runs`, or why there is none. */
+export function baseline(report: IReport): string {
+  const b = report.baseline;
+  if (b.median_s === null) {
+    return isMeasuring(report) ? MEASURING : 'not measured';
+  }
+  const spread = b.iqr_s === null ? '' : ` ± ${formatSeconds(b.iqr_s)}`;
+  return `${formatSeconds(b.median_s)}${spread}${perStep(report)} (median ± IQR) over ${count(b.runs, 'run')}`;
+}
+
+/** How a long cell was sampled (summary.sampling_line), or "". */
+export function sampling(report: IReport): string {
+  const s = report.sampling;
+  if (!s) {
+    return '';
+  }
+  const of = s.steps_per_run ? ` of ${s.steps_per_run}` : '';
+  const detail = s.steps_detail ? ` (${s.steps_detail})` : '';
+  const last = s.warmup_steps + s.steps_timed;
+  const first = s.warmup_steps + 1;
+  return (
+    `sampled: every measuring run stopped after ${s.unit} ${last}${of}${detail}, ` +
+    `${plural(s.unit)} ${first}–${last} timed after ${s.warmup_steps} warm-up; ` +
+    `times are per ${s.unit}, the whole cell projected`
+  );
+}
+
+/** What became of the cell's one complete run (summary.cell_run_line), or "". */
+export function cellRun(report: IReport): string {
+  const run = report.cell_run;
+  if (!run || report.oom) {
+    return '';
+  }
+  const unit = report.sampling ? report.sampling.unit : 'step';
+  const fixes = run.fixes ?? [];
+  const withFixes = fixes.length > 0 ? `, with ${fixes.join(', ')}` : '';
+  switch (run.status) {
+    case 'probe':
+      return 'the cell ran once, complete, in the probe: the kernel is as after that run';
+    case 'running':
+      return `finishing the cell: its one complete run${withFixes}…`;
+    case 'skipped':
+      return "--no-finish: the cell's complete run was skipped; the kernel is as before the cell";
+    default:
+      break;
+  }
+  const parts: string[] = [];
+  if (run.seconds !== null && run.seconds !== undefined) {
+    parts.push(formatSeconds(run.seconds));
+  }
+  if (run.steps !== null && run.steps !== undefined) {
+    parts.push(run.steps === 1 ? `1 ${unit}` : `${run.steps} ${plural(unit)}`);
+  }
+  const took = parts.join(', ');
+  if (run.status === 'complete') {
+    return `the cell's complete run: ${took}${withFixes}`;
+  }
+  if (run.status === 'interrupted') {
+    return `the cell's complete run was interrupted (Ctrl-C) after ${took}${withFixes}`;
+  }
+  return `the cell's complete run failed after ${took}${withFixes}: ${run.detail ?? ''}`;
+}
+
+/** The report's phase in words (summary.phase_line), or "" when done. */
+export function phase(report: IReport): string {
+  if (report.phase === 'measuring') {
+    return 'measuring… numbers fill in as each configuration is measured';
+  }
+  if (report.phase === 'interrupted') {
+    return 'interrupted (Ctrl-C) before every number was in';
+  }
+  if (report.phase === 'finishing') {
+    return "every number is in; the cell's complete run is under way";
+  }
+  return '';
+}
+
+/** The out-of-memory summary (summary.oom_line), or "". */
+export function oom(report: IReport): string {
+  const o = report.oom;
+  if (!o) {
+    return '';
+  }
+  const where = o.line ? ` at cell line ${o.line}` : '';
+  const asked = o.requested_bytes ? `, asking for ${formatBytes(o.requested_bytes)}` : '';
+  const inUse = o.in_use_bytes ? ` with ${formatBytes(o.in_use_bytes)} in use (${o.in_use_measure})` : '';
+  return (
+    `the cell ran out of memory${where}${asked}${inUse}: ${o.error}. Nothing was timed; ` +
+    'the findings below come from the run up to the failure, memory fixes first'
+  );
+}
