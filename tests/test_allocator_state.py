@@ -58,3 +58,39 @@ def test_taking_and_dropping_our_copies_leaves_glibcs_threshold_where_it_was() -
     # the control: a 16 MiB block freed through malloc raises glibc's threshold to 16 MiB,
     # so a 4 MiB block now comes from the heap: what our copies used to do to the kernel
     assert _mapped_after("malloc") is False
+
+
+DRIFT = """
+import json, torch
+from torchtune_magic import perfcheck
+runs = []
+cell = '''
+runs.append(1)
+size = min(len(runs), 6) * (4 << 20)  # bigger blocks over the first runs, then the same
+for _ in range(8):
+    block = torch.empty(size, dtype=torch.uint8)
+    block.fill_(1)
+    del block
+'''
+report = perfcheck(cell, {"torch": torch, "runs": runs}, budget=3)
+steady = perfcheck(cell, {"torch": torch, "runs": runs}, budget=2)  # sizes settled now
+print(json.dumps([report.warnings, steady.warnings]))
+"""
+
+
+@pytest.mark.skipif(allocator.glibc_version() is None, reason="glibc only")
+def test_a_change_in_the_allocators_state_under_the_measurement_is_said() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", DRIFT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    warnings, steady = json.loads(done.stdout.strip().splitlines()[-1])
+    said = "glibc's allocator changed state"
+    drift = [w for w in warnings if w.startswith(said)]
+    assert drift, warnings
+    assert "page faults" in drift[0] and "cpu-allocator" in drift[0]
+    assert not [w for w in steady if w.startswith(said)]  # nothing changed: nothing said

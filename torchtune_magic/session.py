@@ -31,6 +31,7 @@ import torch
 
 from .checks import Detection, registry
 from .engine import (
+    allocator,
     codeedit,
     discovery,
     fixes,
@@ -69,6 +70,9 @@ PROBE_SLOWDOWN = 2.0
 PROBE_SHARE_OF_BUDGET = 0.3
 PROBE_SECONDS = (3.0, 8.0)
 PUBLISH_EVERY_S = 0.5  # partial reports go to the front end at most this often
+# page faults the baseline's runs did not all pay, worth more than this share of a run:
+# the allocator's state changed under the measurement (said in the report)
+ALLOCATOR_DRIFT_SHARE = 0.05
 FINISH_PROGRESS_EVERY_S = 0.25
 
 # Where the kernel stands relative to the contract "as if the cell ran once"
@@ -98,6 +102,7 @@ class _RunTime:
     lead_s: float | None = None
     step_s: float | None = None
     watched: Any = None  # what the run's `watched` context gave (a memory Profile, …)
+    faults: int = 0  # minor page faults during the run
 
 
 class Session:
@@ -578,15 +583,16 @@ class Session:
             silenced(),
             counter.counting() if counter else nullcontext() as times,
         ):
-            started = time.perf_counter()
+            started, faults = time.perf_counter(), allocator.minor_faults()
             try:
                 seconds = self.workload.run(source)
             except steps.StepLimitReached:
                 seconds = time.perf_counter() - started
+            faults = allocator.minor_faults() - faults
             if observe is not None:
                 observe()
         if times is None or self.plan is None:
-            return _RunTime(seconds, watched=seen)
+            return _RunTime(seconds, watched=seen, faults=faults)
         step_s = times.per_step(self.plan.warmup)
         if not times.stopped and times.lead_s is not None and times.count > self.plan.warmup:
             step_s = (seconds - times.lead_s) / (times.count - self.plan.warmup)
@@ -594,7 +600,7 @@ class Session:
                 f"{config.label}: the run ended after {times.count} steps, before step {stop}; "
                 "its per-step time includes what runs after the last step"
             )
-        return _RunTime(seconds, times.lead_s, step_s, seen)
+        return _RunTime(seconds, times.lead_s, step_s, seen, faults)
 
     def _sample_plan(self, configs: list[_Config], budget_s: float) -> steps.SamplePlan | None:
         """Whether to stop every run at a step, and where first (the baseline's first run
@@ -677,14 +683,23 @@ class Session:
             self._publish_partial(results, budget)
         self._count_flops(configs[0])
         left = max(0.0, seconds - (time.perf_counter() - counted_from))
+        baseline_runs: list[_RunTime] = []
+
+        def timed_run(config: _Config) -> float:
+            run = self._one_run(config)
+            if config.label == BASELINE:
+                baseline_runs.append(run)
+            return run.total_s
+
         timed = timing.interleaved(
-            {c.label: functools.partial(lambda c: self._one_run(c).total_s, c) for c in runnable},
+            {c.label: functools.partial(timed_run, c) for c in runnable},
             left,
             self._report_progress,
             min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
             on_run=self._on_run(results, budget),
             round_s=sum(firsts[c.label].total_s for c in runnable),
         )
+        self._note_allocator_drift(baseline_runs)
         return self._conclude(configs, results, firsts, timed, {}, outputs, watched)
 
     def _measure_sampled(
@@ -711,12 +726,15 @@ class Session:
             if config.label not in outputs:
                 observe = functools.partial(self._capture, outputs, config.label, watched)
             run = self._one_run(config, observe, self._stop())
+            if config.label == BASELINE:
+                baseline_runs.append(run)
             if config.label not in firsts:
                 firsts[config.label] = run
             elif run.lead_s is not None:
                 leads[config.label].append(run.lead_s)
             return run.step_s if run.step_s is not None else run.total_s
 
+        baseline_runs: list[_RunTime] = []
         begun: dict[str, timing.Measurement] = {}
         for config in configs:  # the first round, one by one: a fix that fails drops out
             self._report_progress(0.0, f"round 1: {config.label}")
@@ -745,7 +763,30 @@ class Session:
             self._report_progress(1.0, f"peak memory: {config.label}")
             results[config.label].peak_memory_bytes = self._checked_run(config, outputs, watched)
         self._count_flops(configs[0])
+        self._note_allocator_drift(baseline_runs)
         return self._conclude(configs, results, firsts, timed, leads, outputs, watched)
+
+    def _note_allocator_drift(self, runs: list[_RunTime]) -> None:
+        """Say so when glibc's allocator changed state under the measurement: the baseline's
+        first timed run paid for page faults the later ones did not (or the reverse) worth
+        more than ALLOCATOR_DRIFT_SHARE of a run. glibc raises its mmap threshold when a
+        mapped block is freed, by the cell or by our own profiling, so a kernel's first
+        runs of a cell can be slower than the runs measured here."""
+        if len(runs) < 3:
+            return
+        first, later = runs[0], runs[1:]
+        steady = statistics.median(run.faults for run in later)
+        cost_s = abs(first.faults - steady) * allocator.fault_cost_s()
+        run_s = statistics.median(run.total_s for run in later)
+        if run_s <= 0 or cost_s < ALLOCATOR_DRIFT_SHARE * run_s:
+            return
+        self._warn_once(
+            f"glibc's allocator changed state while measuring: the baseline's first timed run "
+            f"took {first.faults:,} page faults, the later ones {steady:,.0f} "
+            f"(≈{cost_s * 1e3:.1f} ms of a {run_s * 1e3:.0f} ms run); glibc raises its mmap "
+            "threshold as large blocks are freed, so this cell's first runs in a kernel can "
+            "be slower than this baseline (cpu-allocator measures fixing that)"
+        )
 
     @contextmanager
     def _failures_noted(self, config: _Config, variant: Variant) -> Iterator[None]:
