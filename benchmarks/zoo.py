@@ -49,6 +49,9 @@ class ZooCell:
     also: tuple[str, ...] = ()  # true findings that may also come (not false alarms)
     targets: dict[str, Target] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    # each expected fix made by hand, as a user would after reading the finding:
+    # (the earlier cells, the checked cell) — what benchmarks/engine_overhead.py times A/B
+    hand_fixed: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 MLP = """
@@ -108,7 +111,43 @@ cnn = nn.Sequential(
 ).eval()
 images = torch.randn(16, 3, 64, 64)
 """
+CONV_BN_BLOCK = (
+    "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+    "class Block(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.bn = nn.BatchNorm2d(16)\n"
+    "        self.conv = nn.Conv2d(3, 16, 3, padding=1)\n"
+    "    def forward(self, x):\n"
+    "        return self.bn(self.conv(x)).relu().mean()\n"
+    "net = Block()\nopt = torch.optim.SGD(net.parameters(), lr=0.01)\n"
+    "images = torch.randn(8, 3, 32, 32)\n"
+)
+CONV_BN_TRAIN = (
+    "for _ in range(3):\n    opt.zero_grad()\n    net(images).backward()\n    opt.step()\n"
+)
+CHANNELS_LAST = (
+    "cnn = cnn.to(memory_format=torch.channels_last)\n"
+    "images = images.contiguous(memory_format=torch.channels_last)\n"
+)
 CNN_INFER = "with torch.no_grad():\n    for _ in range(3):\n        logits = cnn(images)\n"
+SWIGLUISH = (
+    "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+    "class SwiGLUish(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.proj = nn.Linear(256, 256)\n"
+    "    def forward(self, x):\n"
+    "        h = self.proj(x)\n"
+    "        return h * torch.sigmoid(1.702 * h) * (1.0 + 0.1 * torch.tanh(h)) - h / 8.0\n"
+)
+MAKE_ACTIVATION = (
+    "import torch\ntorch.manual_seed(0)\n"
+    "def make_activation(alpha):\n"
+    "    def activation(x):\n"
+    "        return torch.exp(-alpha * x * x) * x + torch.sin(x) * alpha - x / 3.0\n"
+    "    return activation\n"
+)
 LOADER = """
 import torch
 from torch import nn
@@ -133,6 +172,13 @@ ZOO: list[ZooCell] = [
         LOADER_LOOP,
         expect=("dataloader-workers",),
         targets={"dataloader-workers": Target("speedup", 2.0)},
+        hand_fixed={
+            "dataloader-workers": (
+                LOADER + "loader = DataLoader(SlowFileDataset(), batch_size=16, shuffle=True,"
+                " num_workers={workers}, persistent_workers=True)\n",
+                LOADER_LOOP,
+            )
+        },
     ),
     ZooCell(
         "in-memory-loader (control)",
@@ -149,6 +195,16 @@ ZOO: list[ZooCell] = [
         "with torch.no_grad():\n    out = net(images)\n",
         expect=("conv-bias-bn",),
         also=("channels-last",),
+        hand_fixed={
+            "conv-bias-bn": (
+                "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+                "net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False),"
+                " nn.BatchNorm2d(16), nn.ReLU(),"
+                " nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)).eval()\n"
+                "images = torch.randn(8, 3, 32, 32)\n",
+                "with torch.no_grad():\n    out = net(images)\n",
+            )
+        },
     ),
     ZooCell(
         "pointwise-function (earlier cell)",
@@ -156,31 +212,37 @@ ZOO: list[ZooCell] = [
         "for _ in range(10):\n    y = new_gelu(acts)\n",
         expect=("fuse-pointwise",),
         targets={"fuse-pointwise": Target("speedup", 2.0)},
+        hand_fixed={
+            "fuse-pointwise": (
+                NEW_GELU + "new_gelu = torch.compile(new_gelu)\n",
+                "for _ in range(10):\n    y = new_gelu(acts)\n",
+            )
+        },
     ),
     ZooCell(
         "pointwise-in-user-module",
-        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
-        "class SwiGLUish(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.proj = nn.Linear(256, 256)\n"
-        "    def forward(self, x):\n"
-        "        h = self.proj(x)\n"
-        "        return h * torch.sigmoid(1.702 * h) * (1.0 + 0.1 * torch.tanh(h)) - h / 8.0\n"
-        "block = SwiGLUish()\nx = torch.randn(512, 256)\n",
+        SWIGLUISH + "block = SwiGLUish()\nx = torch.randn(512, 256)\n",
         "with torch.no_grad():\n    for _ in range(10):\n        y = block(x)\n",
         expect=("fuse-pointwise",),
+        hand_fixed={
+            "fuse-pointwise": (
+                SWIGLUISH + "block = SwiGLUish()\nblock.compile()\nx = torch.randn(512, 256)\n",
+                "with torch.no_grad():\n    for _ in range(10):\n        y = block(x)\n",
+            )
+        },
     ),
     ZooCell(
         "pointwise-closure (factory)",
-        "import torch\ntorch.manual_seed(0)\n"
-        "def make_activation(alpha):\n"
-        "    def activation(x):\n"
-        "        return torch.exp(-alpha * x * x) * x + torch.sin(x) * alpha - x / 3.0\n"
-        "    return activation\n"
-        "act = make_activation(0.5)\nz = torch.randn(256, 1024)\n",
+        MAKE_ACTIVATION + "act = make_activation(0.5)\nz = torch.randn(256, 1024)\n",
         "for _ in range(10):\n    y = act(z)\n",
         expect=("fuse-pointwise",),
+        hand_fixed={
+            "fuse-pointwise": (
+                MAKE_ACTIVATION + "act = torch.compile(make_activation(0.5))\n"
+                "z = torch.randn(256, 1024)\n",
+                "for _ in range(10):\n    y = act(z)\n",
+            )
+        },
     ),
     ZooCell(
         "matmul-heavy (control)",
@@ -194,6 +256,17 @@ ZOO: list[ZooCell] = [
         expect=("activation-checkpointing",),
         targets={"activation-checkpointing": Target("memory", 3.0)},
         options={"memory": True},
+        hand_fixed={
+            "activation-checkpointing": (
+                DEEP_RESIDUAL.replace(
+                    "            x = block(x)\n",
+                    "            x = torch.utils.checkpoint.checkpoint(\n"
+                    "                block, x, use_reentrant=False\n"
+                    "            )\n",
+                ),
+                DEEP_STEP,
+            )
+        },
     ),
     ZooCell("deep-residual-mlp (control: memory not asked)", DEEP_RESIDUAL, DEEP_STEP),
     ZooCell(
@@ -201,11 +274,11 @@ ZOO: list[ZooCell] = [
         CNN,
         CNN_INFER,
         expect=("channels-last",),
+        hand_fixed={"channels-last": (CNN + CHANNELS_LAST, CNN_INFER)},
     ),
     ZooCell(
         "cnn-channels-last (control)",
-        CNN + "cnn = cnn.to(memory_format=torch.channels_last)\n"
-        "images = images.contiguous(memory_format=torch.channels_last)\n",
+        CNN + CHANNELS_LAST,
         CNN_INFER,
     ),
     ZooCell(
@@ -213,12 +286,14 @@ ZOO: list[ZooCell] = [
         MLP,
         "with torch.autograd.detect_anomaly():\n" + textwrap.indent(TRAIN_STEP, "    "),
         expect=("debug-anomaly",),
+        hand_fixed={"debug-anomaly": (MLP, TRAIN_STEP)},
     ),
     ZooCell(
         "debug-profiler",
         MLP,
         "with torch.autograd.profiler.profile() as prof:\n" + textwrap.indent(TRAIN_STEP, "    "),
         expect=("debug-profiler",),
+        hand_fixed={"debug-profiler": (MLP, TRAIN_STEP)},
     ),
     ZooCell(
         "gradcheck-in-loop",
@@ -227,18 +302,32 @@ ZOO: list[ZooCell] = [
         + TRAIN_STEP
         + "    gradcheck(lambda t: (t * t).sum(), (w,))\n",
         expect=("debug-gradcheck",),
+        hand_fixed={
+            "debug-gradcheck": (
+                MLP + "w = torch.randn(4, 4, dtype=torch.double, requires_grad=True)\n",
+                "from torch.autograd import gradcheck\n" + TRAIN_STEP,
+            )
+        },
     ),
     ZooCell(
         "eval-with-grad",
         MLP,
         "for i in range(0, 256, 64):\n    pred = model(X[i:i + 64])\n",
         expect=("no-grad",),
+        hand_fixed={
+            "no-grad": (
+                MLP,
+                "with torch.no_grad():\n"
+                "    for i in range(0, 256, 64):\n        pred = model(X[i:i + 64])\n",
+            )
+        },
     ),
     ZooCell(
         "zero-grad-in-place",
         MLP,
         TRAIN_STEP.replace("opt.zero_grad()", "opt.zero_grad(set_to_none=False)"),
         expect=("zero-grad-none",),
+        hand_fixed={"zero-grad-none": (MLP, TRAIN_STEP)},
     ),
     ZooCell(
         "slow-io-loader in a trainer object",
@@ -249,6 +338,16 @@ ZOO: list[ZooCell] = [
         LOADER_LOOP.replace("in loader", "in trainer.loader"),
         expect=("dataloader-workers",),
         targets={"dataloader-workers": Target("speedup", 2.0)},
+        hand_fixed={
+            "dataloader-workers": (
+                LOADER + "class Trainer:\n"
+                "    def __init__(self):\n"
+                "        self.loader = DataLoader(SlowFileDataset(), batch_size=16, shuffle=True,"
+                " num_workers={workers}, persistent_workers=True)\n"
+                "trainer = Trainer()\n",
+                LOADER_LOOP.replace("in loader", "in trainer.loader"),
+            )
+        },
     ),
     ZooCell(
         "slow-io-loader behind a generator closure",
@@ -260,22 +359,32 @@ ZOO: list[ZooCell] = [
         LOADER_LOOP.replace("in loader", "in batches()"),
         expect=("dataloader-workers",),
         targets={"dataloader-workers": Target("speedup", 2.0)},
+        hand_fixed={
+            "dataloader-workers": (
+                LOADER + "def stream(loader):\n"
+                "    def batches():\n"
+                "        yield from loader\n"
+                "    return batches\n"
+                "batches = stream(DataLoader(SlowFileDataset(), batch_size=16,"
+                " num_workers={workers}, persistent_workers=True))\n",
+                LOADER_LOOP.replace("in loader", "in batches()"),
+            )
+        },
     ),
     ZooCell(
         "conv-bias-bn in a custom forward (train)",
-        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
-        "class Block(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.bn = nn.BatchNorm2d(16)\n"
-        "        self.conv = nn.Conv2d(3, 16, 3, padding=1)\n"
-        "    def forward(self, x):\n"
-        "        return self.bn(self.conv(x)).relu().mean()\n"
-        "net = Block()\nopt = torch.optim.SGD(net.parameters(), lr=0.01)\n"
-        "images = torch.randn(8, 3, 32, 32)\n",
-        "for _ in range(3):\n    opt.zero_grad()\n    net(images).backward()\n    opt.step()\n",
+        CONV_BN_BLOCK,
+        CONV_BN_TRAIN,
         expect=("conv-bias-bn",),
         also=("channels-last",),
+        hand_fixed={
+            "conv-bias-bn": (
+                CONV_BN_BLOCK.replace(
+                    "nn.Conv2d(3, 16, 3, padding=1)", "nn.Conv2d(3, 16, 3, padding=1, bias=False)"
+                ),
+                CONV_BN_TRAIN,
+            )
+        },
     ),
     ZooCell(
         "conv then relu then bn (control)",
