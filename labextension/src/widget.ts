@@ -86,7 +86,7 @@ function draw(model: IModel, el: HTMLElement): void {
 }
 
 function render({ model, el }: { model: IModel; el: HTMLElement }): () => void {
-  el.classList.add('ttm-ReportRenderer', 'ttm-panel-host');
+  el.classList.add('ttm-panel-host');
   const redraw = () => draw(model, el);
   SYNCED.forEach(name => model.on(`change:${name}`, redraw));
   redraw();

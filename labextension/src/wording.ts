@@ -93,15 +93,15 @@ export function speedup(report: IReport, variant: IVariant | undefined): IWorded
   if (factor < 1 + NO_CHANGE_BAND) {
     return { text: `${base} — no measurable change`, tone: 'neutral' };
   }
-  return { text: `${base} faster`, tone: isWin(variant) ? 'good' : 'neutral' };
+  return { text: `${formatFactor(factor)} faster${perStep(report)}`, tone: isWin(variant) ? 'good' : 'neutral' };
 }
 
 /** `whole cell 61.2 s → 27.0 s (projected)` for a sampled measurement, or "". */
 export function projected(report: IReport, variant: IVariant): string {
   const before = report.baseline.projected_cell_s;
   const after = variant.projected_cell_s;
-  if (before === null || before === undefined || after === null || after === undefined) {
-    return '';
+  if (before === null || before === undefined || after === null || after === undefined || measuredBefore(report, variant)) {
+    return ''; // a number from an earlier round has no projection against this baseline
   }
   return `whole cell ${formatSeconds(before)} → ${formatSeconds(after)} (projected)`;
 }

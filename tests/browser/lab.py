@@ -25,6 +25,15 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 REPORT_MIME = "application/vnd.torchtune-magic.report.v1+json"
+SAVED_REPORT = ".ttm-ReportRenderer .ttm-report"  # the report MIME renderer's view
+LIVE_PANEL = ".ttm-live-panel"  # the anywidget panel's view (the same view, plus controls)
+# The view's text without the live panel's controls (toggles, buttons, progress, row
+# messages): what must read the same in the live panel and the saved report.
+VIEW_TEXT = """node => {
+  const copy = node.cloneNode(true);
+  copy.querySelectorAll('.ttm-live-only').forEach(n => n.remove());
+  return copy.textContent.replace(/\\s+/g, ' ').trim();
+}"""
 TOGGLE_COMMAND = "torchtune-magic:toggle-perfcheck"
 TOGGLE_SHORTCUT = "Control+Shift+Y"
 NOT_RUN_PROMPT = re.compile(r"^\[\s*\]:$")
@@ -130,7 +139,19 @@ class Lab:
 
         wait_until(saved, 20, f"{notebook} to be saved with its outputs")
 
-    def screenshot(self, step: str) -> None:
+    def command(self, command: str, args: dict | None = None) -> None:
+        """Run a JupyterLab command as its menu item would."""
+        self.page.evaluate(
+            "([id, args]) => window.jupyterapp.commands.execute(id, args)", [command, args or {}]
+        )
+
+    def screenshot(self, step: str, of: Locator | None = None) -> Path:
+        """Keep a picture of the page (or of one element, scrolled into view) as an artifact."""
         ARTIFACTS.mkdir(exist_ok=True)
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{self.name}-{step}")
-        self.page.screenshot(path=str(ARTIFACTS / f"{safe}.png"), full_page=True)
+        path = ARTIFACTS / f"{safe}.png"
+        if of is None:
+            self.page.screenshot(path=str(path), full_page=True)
+        else:
+            of.screenshot(path=str(path))
+        return path

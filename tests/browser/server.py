@@ -130,6 +130,8 @@ def start_jupyter_lab(base: Path, log: IO[bytes]) -> JupyterLab:
         f"--LabApp.app_settings_dir={app_settings}",
         f"--LabApp.user_settings_dir={base / 'user-settings'}",
         f"--LabApp.workspaces_dir={base / 'workspaces'}",
+        # window.jupyterapp: tests run commands (theme, undo) as the menus would
+        "--LabApp.expose_app_in_browser=True",
     ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     server = JupyterLab(

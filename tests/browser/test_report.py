@@ -13,7 +13,7 @@ from torchtune_magic.report import load_schema
 
 from .cells import display_report
 from .conftest import SAMPLE_REPORT, SAMPLE_REPORT_GPU
-from .lab import Lab
+from .lab import SAVED_REPORT, Lab
 from .server import JupyterLab
 
 pytestmark = pytest.mark.browser
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.browser
 def test_report_renders_findings_table_and_chart(lab: Lab, jupyter_lab: JupyterLab) -> None:
     notebook = jupyter_lab.write_notebook("render.ipynb", [display_report("render-1")])
     lab.open_notebook(notebook)
-    report = lab.run_cell(0, ".ttm-report")
+    report = lab.run_cell(0, SAVED_REPORT)
     expect(report).to_be_visible()
 
     # Our renderer wins over the bundle's HTML fallback.
@@ -46,13 +46,22 @@ def test_report_renders_findings_table_and_chart(lab: Lab, jupyter_lab: JupyterL
 
     rows = report.locator(".ttm-findings tbody tr")
     expect(rows).to_have_count(3)
+    expect(report.locator(".ttm-summary dd").nth(3)).to_have_text("9 runs")
     anomaly = report.locator("tr[data-finding='debug-anomaly']")
     expect(anomaly.locator(".ttm-speedup")).to_have_text("1.54× faster")
-    expect(anomaly).to_contain_text("−4.0 MiB (−1.4%)")
+    memory = anomaly.locator(".ttm-badge-memory")
+    expect(memory).to_have_text("−1% memory")  # less memory: good, coloured so
+    expect(memory).to_have_class(re.compile("ttm-tone-good"))
+    expect(memory).to_have_attribute("title", "peak memory 288.0 MiB → 284.0 MiB")
     expect(anomaly.locator(".ttm-verdict-identical")).to_have_text("identical")
-    slower = report.locator("tr[data-finding='zero-grad-none'] .ttm-speedup")
+    # measured slower: not a finding to act on, collapsed under "checked: no gain here"
+    no_gain = report.locator("details.ttm-no-gain")
+    expect(no_gain.locator("summary")).to_have_text("checked: no gain here (1)")
+    expect(no_gain).not_to_have_attribute("open", "")
+    slower = no_gain.locator("tr[data-finding='zero-grad-none'] .ttm-speedup")
     expect(slower).to_have_text(re.compile("measured slower here — not recommended"))
     expect(slower).not_to_contain_text("faster")
+    expect(report.locator(".ttm-act h4")).to_have_text("Findings (2)")
     expect(report.locator("tr[data-finding='conv-bias-bn'] .ttm-speedup")).to_have_text(
         "not auto-fixable"
     )
@@ -79,14 +88,16 @@ def test_report_renders_findings_table_and_chart(lab: Lab, jupyter_lab: JupyterL
     copy.first.click()
     expect(copy.first).to_have_text("Copied")
 
-    expect(report.locator(".ttm-not-applicable")).to_contain_text("pin-memory")
+    not_applicable = report.locator("details.ttm-not-applicable")
+    expect(not_applicable.locator("summary")).to_have_text("Not applicable here (1)")
+    expect(not_applicable).to_contain_text("pin-memory")
     lab.screenshot("report")
 
 
 def test_report_strings_are_rendered_as_text(lab: Lab, jupyter_lab: JupyterLab) -> None:
     notebook = jupyter_lab.write_notebook("escaping.ipynb", [display_report("escaping-1")])
     lab.open_notebook(notebook)
-    report = lab.run_cell(0, ".ttm-report")
+    report = lab.run_cell(0, SAVED_REPORT)
     row = report.locator("tr[data-finding='conv-bias-bn']")
     expect(row.locator(".ttm-finding-title")).to_have_text(
         "Conv bias <img src=x onerror=alert(1)> before BatchNorm"
@@ -104,12 +115,12 @@ def test_saved_report_renders_after_kernel_shutdown_and_reload(
 ) -> None:
     notebook = jupyter_lab.write_notebook("reload.ipynb", [display_report("reload-1")])
     lab.open_notebook(notebook)
-    lab.run_cell(0, ".ttm-report")
+    lab.run_cell(0, SAVED_REPORT)
     lab.save(notebook)
     jupyter_lab.shutdown_kernels()
 
     lab.page.reload()
-    report = lab.cell(0).locator(".ttm-report")
+    report = lab.cell(0).locator(SAVED_REPORT)
     expect(report).to_be_visible()
     expect(report.locator(".ttm-findings tbody tr")).to_have_count(3)
     expect(report.locator("svg.ttm-chart rect.ttm-chart-bar")).to_have_count(7)
@@ -163,7 +174,7 @@ def test_report_renders_utilisation(lab: Lab, jupyter_lab: JupyterLab) -> None:
         "utilisation.ipynb", [display_report("gpu-1", "sample_report_gpu.json")]
     )
     lab.open_notebook(notebook)
-    report = lab.run_cell(0, ".ttm-report")
+    report = lab.run_cell(0, SAVED_REPORT)
     expect(report).to_be_visible()
 
     summary = report.locator(".ttm-summary")
@@ -210,7 +221,7 @@ def test_report_renders_utilisation(lab: Lab, jupyter_lab: JupyterLab) -> None:
     host_sync = report.locator("tr[data-finding='host-sync'] .ttm-speedup")
     expect(host_sync).to_have_text("not auto-fixable")
     expect(report.locator(".ttm-combined")).to_have_text(
-        "all fixes together: 7.59×187 TFLOP/s · 18.9% of peak"
+        "all fixes together: 7.59× faster−40% memory187 TFLOP/s · 18.9% of peak"
     )
     expect(report.locator(".ttm-combined .ttm-badge-throughput")).to_have_text(
         "187 TFLOP/s · 18.9% of peak"
@@ -230,7 +241,7 @@ def test_report_without_peak_or_flops(lab: Lab, jupyter_lab: JupyterLab) -> None
     lab.open_notebook(notebook)
 
     # No peak known: the rates alone, never "0% of peak".
-    report = lab.run_cell(0, ".ttm-report")
+    report = lab.run_cell(0, SAVED_REPORT)
     share = report.locator(".ttm-summary dd").nth(7)
     expect(share).to_have_text("no peak known")
     expect(share).to_have_attribute(
@@ -247,7 +258,7 @@ def test_report_without_peak_or_flops(lab: Lab, jupyter_lab: JupyterLab) -> None
     expect(report).not_to_contain_text("% of peak")
 
     # FLOPs not counted: the reason, and no rates anywhere.
-    report = lab.run_cell(1, ".ttm-report")
+    report = lab.run_cell(1, SAVED_REPORT)
     summary = report.locator(".ttm-summary")
     expect(summary.locator("dt")).to_have_text(
         ["Device", "PyTorch", "Baseline", "Runs", "Peak memory", "FLOPs per run", "Measured in"]
@@ -258,3 +269,87 @@ def test_report_without_peak_or_flops(lab: Lab, jupyter_lab: JupyterLab) -> None
     expect(report.locator(".ttm-badge-throughput, .ttm-flops-breakdown")).to_have_count(0)
     expect(report).not_to_contain_text("TFLOP/s")
     lab.screenshot("no-peak")
+
+
+# A long cell sampled per batch, still measuring: one fix measured twice (the earlier
+# measurement at 14:02), one not yet, the cell's complete run under way.
+LONG_CELL = """\
+report["phase"] = "measuring"
+report["sampling"] = {
+    "unit": "batch", "steps_per_run": 96, "steps_detail": "8 epochs x 12 batches = 96 steps",
+    "warmup_steps": 2, "steps_timed": 4, "probe_steps": 6, "probe_complete": False,
+}
+report["baseline"].update(runs=1, projected_cell_s=61.2, measured_at="2026-12-03T14:10:00+00:00")
+anomaly, pending = report["variants"][0], report["variants"][1]
+earlier = dict(anomaly, speedup=1.8, measured_at="2026-12-03T14:02:00+00:00")
+anomaly.update(projected_cell_s=27.0, one_time_s=3.2, one_time_cause="compile",
+               break_even_runs=1, measured_at="2026-12-03T14:10:00+00:00")
+pending.update(speedup=None, median_s=None, runs=0)
+report["variants"] = [earlier, anomaly, pending]
+report["cell_run"] = {"status": "running", "fixes": ["debug-anomaly"]}
+"""
+
+INTERRUPTED = """\
+report["phase"] = "interrupted"
+report["variants"] = []
+report["baseline"].update(median_s=None, iqr_s=None, runs=0)
+report["cell_run"] = {"status": "complete", "seconds": 12.0, "steps": 1, "fixes": []}
+report["sampling"] = {
+    "unit": "batch", "steps_per_run": None, "steps_detail": "", "warmup_steps": 2,
+    "steps_timed": 1, "probe_steps": 3, "probe_complete": False,
+}
+"""
+
+
+def test_report_renders_long_cell_fields_and_every_measurement(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    notebook = jupyter_lab.write_notebook(
+        "long-cell.ipynb",
+        [display_report("long-1", edit=LONG_CELL), display_report("long-2", edit=INTERRUPTED)],
+    )
+    lab.open_notebook(notebook)
+    report = lab.run_cell(0, SAVED_REPORT)
+    expect(report.locator(".ttm-status")).to_have_text(
+        "measuring… numbers fill in as each configuration is measured"
+    )
+    summary = report.locator(".ttm-summary")
+    expect(summary.locator("dt")).to_have_text(
+        [
+            *("Device", "PyTorch", "Baseline", "Runs", "Peak memory", "Whole cell"),
+            *("Sampled", "The cell's run", "Measured in"),
+        ]
+    )
+    expect(summary.locator("dd").nth(2)).to_have_text("412 ms ± 11.0 ms per batch (median ± IQR)")
+    expect(summary.locator("dd").nth(3)).to_have_text("1 run")
+    expect(summary.locator("dd").nth(5)).to_have_text("61.2 s (projected)")
+    expect(summary.locator("dd").nth(6)).to_have_text(
+        "every measuring run stopped after batch 6 of 96 (8 epochs x 12 batches = 96 steps), "
+        "batches 3–6 timed after 2 warm-up; times are per batch, the whole cell projected"
+    )
+    expect(summary.locator("dd").nth(7)).to_have_text(
+        "finishing the cell: its one complete run, with debug-anomaly…"
+    )
+
+    anomaly = report.locator("tr[data-finding='debug-anomaly'] .ttm-speedup")
+    expect(anomaly.locator(".ttm-speedup-text")).to_have_text("1.54× faster per batch")
+    expect(anomaly.locator(".ttm-projected")).to_have_text("whole cell 61.2 s → 27.0 s (projected)")
+    expect(anomaly.locator(".ttm-one-time")).to_have_text(
+        "3.20 s one-time (compile), pays back after 1 run"
+    )
+    expect(anomaly.locator(".ttm-earlier")).to_have_text(
+        re.compile(r"^earlier: 1\.80× at \d\d:\d\d$")
+    )
+    pending = report.locator("tr[data-finding='zero-grad-none'] .ttm-speedup")
+    expect(pending).to_have_text("measuring…")  # never "not measured" while measuring
+    expect(report).not_to_contain_text("not measured")
+
+    report = lab.run_cell(1, SAVED_REPORT)
+    expect(report.locator(".ttm-status")).to_have_text(
+        "interrupted (Ctrl-C) before every number was in"
+    )
+    expect(report.locator(".ttm-summary dd").nth(2)).to_have_text("not measured")
+    expect(report.locator(".ttm-summary dd").nth(6)).to_have_text(
+        "the cell's complete run: 12.0 s, 1 batch"
+    )
+    lab.screenshot("long-cell", of=lab.cell(0))

@@ -137,8 +137,8 @@ def memory_first(report: Report, variant: Variant) -> str:
 def projected(report: Report, variant: Variant) -> str:
     """`whole cell 61.2 s → 27.0 s (projected)` for a sampled measurement, or ''."""
     before, after = report.baseline.projected_cell_s, variant.projected_cell_s
-    if before is None or after is None:
-        return ""
+    if before is None or after is None or measured_before(report, variant):
+        return ""  # (a number from an earlier round has no projection of this baseline)
     return f"whole cell {seconds(before)} → {seconds(after)} (projected)"
 
 
