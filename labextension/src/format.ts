@@ -46,9 +46,10 @@ export function formatTiming(median: number | null, iqr: number | null): string 
   return iqr === null ? formatSeconds(median) : `${formatSeconds(median)} ± ${formatSeconds(iqr)}`;
 }
 
-/** A speedup factor such as "1.54×". */
+/** A speedup factor such as "1.54×"; "0.997×" where two decimals would read 1.00×. */
 export function formatFactor(factor: number): string {
-  return `${factor.toFixed(2)}×`;
+  const two = factor.toFixed(2);
+  return two === '1.00' && factor !== 1 ? `${factor.toFixed(3)}×` : `${two}×`;
 }
 
 /** The change of peak memory from the baseline, e.g. "−4.0 MiB (−1.4%)". */

@@ -200,14 +200,19 @@ function memoryCell(report: IReport, variant: IVariant | undefined): HTMLElement
   return h('td', { className: 'ttm-memory' }, badge(worded.text, `ttm-badge-memory ${toneClass(worded.tone)}`, worded.title));
 }
 
+/** Whether the fix left what the cell produced the same: identical, close, changed… */
+function numericsBadge(variant: IVariant): HTMLElement {
+  const { verdict, max_rel_diff, detail } = variant.numerics;
+  const parts = [max_rel_diff !== null ? `max relative difference ${max_rel_diff.toExponential(2)}` : '', detail ?? ''];
+  const title = parts.filter(Boolean).join('; ') || undefined;
+  return badge(verdict, `ttm-verdict ttm-verdict-${verdict}`, title);
+}
+
 function numericsCell(variant: IVariant | undefined): HTMLElement {
   if (variant === undefined || variant.error !== null || variant.speedup === null) {
     return h('td', { className: 'ttm-muted', text: '—' });
   }
-  const { verdict, max_rel_diff, detail } = variant.numerics;
-  const parts = [max_rel_diff !== null ? `max relative difference ${max_rel_diff.toExponential(2)}` : '', detail ?? ''];
-  const title = parts.filter(Boolean).join('; ') || undefined;
-  return h('td', {}, badge(verdict, `ttm-verdict ttm-verdict-${verdict}`, title));
+  return h('td', {}, numericsBadge(variant));
 }
 
 function toggleControl(finding: IFinding, applied: boolean, live: ILive): HTMLElement {
@@ -308,6 +313,7 @@ function renderTogether(report: IReport): HTMLElement[] {
         h('span', { className: `ttm-speedup-text ${toneClass(worded.tone)}`, text: worded.text }),
         v.noisy && noisyBadge(),
         memory && badge(memory.text, `ttm-badge-memory ${toneClass(memory.tone)}`, memory.title),
+        v.error === null && v.speedup !== null && numericsBadge(v),
         throughputBadge(v, report),
         extras.length > 0 && h('span', { className: 'ttm-note', text: ` · ${extras.join(' · ')}` }),
         earlier && h('span', { className: 'ttm-note ttm-earlier', text: ` · ${earlier}` })

@@ -5,6 +5,9 @@
  * `torchtune_magic.render.widget.PanelWidget` and sends the user's commands to the kernel
  * as custom messages; the kernel does everything else. No JupyterLab import here: this
  * runs in JupyterLab, Notebook 7, VS Code and Colab alike.
+ *
+ * The host element carries `ttm-live-panel ttm-run-<run_id>` from the widget's
+ * `_dom_classes`: coexist.ts hides the saved report of the same run while it is mounted.
  */
 
 import { IActions, ILiveState, IRowMessage, renderProgress, renderReport } from './view';
@@ -71,10 +74,6 @@ function draw(model: IModel, el: HTMLElement): void {
       return;
     }
     view = renderReport(report, live);
-  }
-  view.classList.add('ttm-live-panel');
-  if (live.state.runId) {
-    view.classList.add(`ttm-run-${live.state.runId}`);
   }
   view.querySelectorAll<HTMLDetailsElement>('details[data-ttm-key]').forEach(d => {
     const open = kept.get(d.dataset.ttmKey as string);

@@ -34,3 +34,22 @@ def display_report(run_id: str, source: str = "sample_report.json", edit: str = 
 def live_panel_and_report(run_id: str) -> str:
     """A cell that shows a live panel and then the report of the same run."""
     return LIVE_PANEL.format(run_id=run_id) + "\n" + display_report(run_id)
+
+
+PANEL_OF_REPORT = """\
+import json
+from torchtune_magic.render.widget import Panel
+from torchtune_magic.report import Report
+
+report = json.load(open({source!r}))
+report["run_id"] = {run_id!r}
+{edit}panel = Panel.measuring(get_ipython(), {run_id!r})  # as %%perfcheck shows it
+panel.update(Report.from_dict(report))  # the saved report follows, as in a real run
+panel.widget.busy = False
+"""
+
+
+def panel_of_report(run_id: str, source: str = "sample_report.json", edit: str = "") -> str:
+    """A cell that shows the live panel (the real anywidget, no session) of a sample
+    report, and the saved report of the same run, as `%%perfcheck` does."""
+    return PANEL_OF_REPORT.format(run_id=run_id, source=source, edit=edit)

@@ -1,4 +1,5 @@
-"""The saved report and the live ipywidgets panel of the same run never show together."""
+"""The live panel: it and the saved report of the same run never show together; its badges
+read in the dark and the light theme; a cell with no torch work gets no action buttons."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import expect
 
-from .cells import live_panel_and_report
+from .cells import live_panel_and_report, panel_of_report
 from .lab import REPORT_MIME, Lab
 from .server import JupyterLab
 
@@ -87,3 +88,109 @@ def test_saved_report_replaces_the_panel_placeholder_without_a_kernel(
     for text in ("Loading widget", "Error displaying widget", "torchtune-magic live panel"):
         expect(lab.page.get_by_text(text).filter(visible=True)).to_have_count(0)
     lab.screenshot("no-kernel")
+
+
+# Every kind of badge: applied, noisy, each verdict, memory less (good) / more (bad).
+EVERY_BADGE = """\
+report["applied"] = ["debug-anomaly"]
+anomaly, zero_grad, together = report["variants"]
+anomaly.update(noisy=True)
+zero_grad.update(speedup=1.3, numerics={"verdict": "changed", "max_rel_diff": 0.1})
+together.update(peak_memory_bytes=400_000_000, numerics={"verdict": "close", "max_rel_diff": 1e-6})
+report["variants"].append(dict(together, fixes=["debug-anomaly", "conv-bias-bn"],
+                               numerics={"verdict": "not-compared", "max_rel_diff": None}))
+"""
+
+# WCAG 2 contrast of each badge's (and coloured figure's) text over what is behind it.
+CONTRASTS = """root => {
+  function parse(value) {
+    let m = value.match(/rgba?\\(([^)]+)\\)/);
+    if (m) {
+      const p = m[1].split(/[\\s,/]+/).filter(Boolean).map(Number);
+      return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+    }
+    m = value.match(/color\\(srgb ([^)]+)\\)/);
+    if (m) {
+      const p = m[1].split(/[\\s/]+/).filter(Boolean).map(Number);
+      return [p[0] * 255, p[1] * 255, p[2] * 255, p.length > 3 ? p[3] : 1];
+    }
+    return [0, 0, 0, 0];
+  }
+  const over = (top, bottom) =>
+    [0, 1, 2].map(i => top[i] * top[3] + bottom[i] * (1 - top[3])).concat([1]);
+  function behind(node) {
+    const chain = [];
+    for (let n = node; n; n = n.parentElement) chain.unshift(n);
+    return chain.reduce((bg, n) => over(parse(getComputedStyle(n).backgroundColor), bg),
+                        [255, 255, 255, 1]);
+  }
+  function luminance(c) {
+    const [r, g, b] = c.slice(0, 3).map(v => {
+      v /= 255;
+      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  }
+  return Array.from(root.querySelectorAll('.ttm-badge, .ttm-speedup-text')).map(node => {
+    const bg = behind(node);
+    const fg = over(parse(getComputedStyle(node).color), bg);
+    const [hi, lo] = [luminance(fg), luminance(bg)].sort((a, b) => b - a);
+    return [node.textContent, Math.round(((hi + 0.05) / (lo + 0.05)) * 100) / 100];
+  });
+}"""
+
+
+@pytest.mark.parametrize("theme", ["JupyterLab Dark", "JupyterLab Light"])
+def test_badges_are_readable_in_the_dark_and_the_light_theme(
+    lab: Lab, jupyter_lab: JupyterLab, theme: str
+) -> None:
+    notebook = jupyter_lab.write_notebook(
+        f"badges-{theme.split()[-1].lower()}.ipynb",
+        [panel_of_report("badges-1", edit=EVERY_BADGE)],
+    )
+    lab.open_notebook(notebook)
+    light = "false" if theme == "JupyterLab Dark" else "true"
+    lab.command("apputils:change-theme", {"theme": theme})
+    try:
+        expect(lab.page.locator(f"body[data-jp-theme-light='{light}']")).to_have_count(1)
+        lab.run_cell(0, ".ttm-live-panel.ttm-run-badges-1 .ttm-findings")
+        panel = lab.cell(0).locator(".ttm-live-panel")
+        panel.evaluate("p => p.querySelectorAll('details').forEach(d => (d.open = true))")
+        kinds = panel.locator(".ttm-badge").evaluate_all(
+            "nodes => [...new Set(nodes.flatMap(n => [...n.classList]))]"
+        )
+        for kind in ("ttm-badge-applied", "ttm-badge-noisy", "ttm-tone-good", "ttm-tone-bad"):
+            assert kind in kinds
+        for verdict in ("identical", "close", "changed", "not-compared"):
+            assert f"ttm-verdict-{verdict}" in kinds
+        contrasts = panel.evaluate(CONTRASTS)
+        assert len(contrasts) >= 10
+        low = [(text, ratio) for text, ratio in contrasts if ratio < 4.5]
+        assert low == [], f"below WCAG AA 4.5:1 in {theme}: {low}"
+        # badges never wrap mid-word
+        heights = panel.locator(".ttm-badge").evaluate_all(
+            "nodes => nodes.map(n => n.getClientRects().length)"
+        )
+        assert set(heights) == {1}
+        lab.screenshot(f"{theme.split()[-1].lower()}-theme", of=panel)
+    finally:
+        lab.command("apputils:change-theme", {"theme": "JupyterLab Light"})
+
+
+def test_a_cell_with_no_torch_work_shows_no_action_buttons(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    notebook = jupyter_lab.write_notebook(
+        "no-torch.ipynb",
+        # (cpu-allocator skipped: it counts the probe's own page faults on such a cell)
+        ["%load_ext torchtune_magic", "%%perfcheck --budget 0.5 --skip cpu-allocator\nx = 1 + 1"],
+    )
+    lab.open_notebook(notebook)
+    lab.run_cell(0)
+    lab.run_cell(1, ".ttm-live-panel[class*='ttm-run-'] .ttm-act", timeout=60_000)
+    panel = lab.cell(1).locator(".ttm-live-panel")
+    expect(panel.locator(".ttm-progress")).to_have_count(0, timeout=60_000)
+    expect(panel).to_contain_text("No findings: nothing in this cell matches")
+    expect(panel.locator("button")).to_have_count(0)
+    expect(panel.locator(".ttm-actions")).to_have_count(0)
+    lab.screenshot("no-torch", of=panel)

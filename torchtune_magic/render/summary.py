@@ -54,9 +54,9 @@ def earlier(report: Report, variant: Variant) -> str:
     for old in report.variants:
         if old is variant or sorted(old.fixes) != key or old.speedup is None:
             continue
-        factor = "failed" if old.error else f"{old.speedup:.2f}x"
+        measured = "failed" if old.error else factor(old.speedup)
         at = clock(old.measured_at)
-        parts.append(f"{factor} at {at}" if at else factor)
+        parts.append(f"{measured} at {at}" if at else measured)
     return f"earlier: {', '.join(parts)}" if parts else ""
 
 
@@ -68,6 +68,12 @@ def measured_before(report: Report, variant: Variant) -> str:
     if variant.measured_at >= report.baseline.measured_at:
         return ""
     return f"measured at {clock(variant.measured_at)}, before the latest baseline"
+
+
+def factor(value: float) -> str:
+    """`1.54x`; `0.997x` where two decimals would read 1.00x (slower, or faster, by a hair)."""
+    two = f"{value:.2f}"
+    return f"{value:.3f}x" if two == "1.00" and value != 1.0 else f"{two}x"
 
 
 def seconds(value: float | None) -> str:
@@ -110,7 +116,7 @@ def speedup(report: Report, variant: Variant | None) -> str:
     assert variant.speedup is not None
     if variant.judged_by == "memory":
         return memory_first(report, variant)
-    text = f"{variant.speedup:.2f}x{per_step(report)}"
+    text = f"{factor(variant.speedup)}{per_step(report)}"
     if variant.is_slower:
         text += f" — {SLOWER}"
     elif not variant.is_win:
