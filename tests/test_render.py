@@ -1,11 +1,12 @@
-"""Renderers: escaping, the chart, the bundle, and how slower fixes are worded."""
+"""Renderers: escaping, the chart, the bundle, and the wording every renderer shares."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-from torchtune_magic.render import bundle, html, text
+from torchtune_magic.render import bundle, html, summary, text
 from torchtune_magic.report import MIME_TYPE, Report
 
 SAMPLE = json.loads((Path(__file__).parent / "data" / "sample_report.json").read_text())
@@ -51,3 +52,93 @@ def test_a_speedup_inside_the_noise_band_is_no_measurable_change():
     data["variants"][0]["speedup"] = 1.01
     out = text.render(Report.from_dict(data))
     assert "1.01x — no measurable change" in out
+
+
+def _report(edit=None) -> Report:
+    data = json.loads(json.dumps(SAMPLE))
+    if edit:
+        edit(data)
+    return Report.from_dict(data)
+
+
+def test_memory_reads_as_a_signed_share_good_or_bad():
+    def more_memory(data):
+        data["variants"][1]["peak_memory_bytes"] = int(
+            SAMPLE["baseline"]["peak_memory_bytes"] * 1.28
+        )
+        data["variants"][1]["speedup"] = 1.2
+
+    report = _report(more_memory)
+    anomaly, zero_grad = (
+        report.variant_for(["debug-anomaly"]),
+        report.variant_for(["zero-grad-none"]),
+    )
+    assert summary.memory_change(report, anomaly) == "−1% memory (288.0 MiB → 284.0 MiB)"
+    assert summary.memory_tone(report, anomaly) == "good"
+    assert summary.memory_badge(report, zero_grad) == "+28% memory"
+    assert summary.memory_tone(report, zero_grad) == "bad"
+    out = text.render(report)
+    assert "memory:   +28% memory (288.0 MiB → 368.6 MiB)" in out
+    assert "color:#b71c1c" in html.render(report)  # a bad memory change is coloured so
+
+
+def test_a_fix_with_no_clear_gain_and_the_not_applicable_checks_are_set_apart():
+    report = _report()
+    assert summary.no_gain(report, report.finding("zero-grad-none"))  # 0.98x
+    assert not summary.no_gain(report, report.finding("debug-anomaly"))  # 1.54x
+    assert not summary.no_gain(report, report.finding("conv-bias-bn"))  # advice: act on it
+    out = text.render(report)
+    assert "checked: no gain here (1):\n   [zero-grad-none]" in out
+    assert "not applicable here (1):\n   [pin-memory] not applicable on CPU" in out
+    assert not any(line.startswith("2. [zero-grad-none]") for line in out.splitlines())
+    page = html.render(report)
+    assert "<details><summary>checked: no gain here (1)</summary>" in page
+    assert "<details><summary>Not applicable here (1)</summary>" in page
+
+
+def test_every_earlier_measurement_is_shown_as_such_never_not_measured():
+    def retimed(data):
+        first = data["variants"][0]
+        first["measured_at"] = "2026-12-03T14:02:00+00:00"
+        again = dict(first, speedup=1.62, measured_at="2026-12-03T14:10:00+00:00")
+        data["variants"].append(again)
+        data["baseline"]["measured_at"] = "2026-12-03T14:10:00+00:00"
+        data["variants"][1]["measured_at"] = "2026-12-03T14:02:00+00:00"
+
+    report = _report(retimed)
+    anomaly = report.variant_for(["debug-anomaly"])
+    assert anomaly.speedup == 1.62
+    assert re.fullmatch(r"earlier: 1\.54x at \d\d:\d\d", summary.earlier(report, anomaly))
+    older = summary.speedup(report, report.variant_for(["zero-grad-none"]))
+    assert re.search(r"measured at \d\d:\d\d, before the latest baseline$", older)
+    out = text.render(report)
+    assert "not measured" not in out and "before:   earlier: 1.54x at " in out
+
+
+def test_one_time_cost_names_its_cause_and_counts_runs_in_words():
+    def costs(data):
+        data["variants"][0].update(one_time_s=3.2, one_time_cause="compile", break_even_runs=1)
+        data["baseline"]["runs"] = 1
+
+    report = _report(costs)
+    out = text.render(report)
+    assert "1.54x; 3.20 s one-time (compile), pays back after 1 run" in out
+    assert "over 1 run," in out and "1 runs" not in out
+
+
+def test_html_escapes_notebook_edits_from_user_code():
+    def edits(data):
+        data["notebook_edits"] = {
+            "fixes": ["debug-anomaly"],
+            "cells": [
+                {
+                    "execution_count": 3,
+                    "before": "x = '<script>'",
+                    "after": "x = '<b>'",
+                    "diff": "--- In[3]\n+++ In[3] (optimized)\n-x = '<script>'\n+x = '<b>'\n",
+                }
+            ],
+        }
+
+    page = html.render(_report(edits))
+    assert "<script>" not in page and "&lt;script&gt;" in page and "In[3]" in page

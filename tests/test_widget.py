@@ -284,3 +284,21 @@ def test_measuring_shows_the_panel_at_once_and_close_closes_it(shell: Any) -> No
 
     panel.close()
     assert panel.widget.comm is None
+
+
+def test_a_kernel_where_the_panel_cannot_render_says_why_in_one_line(
+    ip: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A front end is there (the shell has a kernel) but the panel's ES module is not: the
+    output says so, and how to get the panel, then shows the static report."""
+    from torchtune_magic.render import widget
+
+    monkeypatch.setattr(widget, "ES_MODULE", widget.STATIC / "missing.js")
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)
+    ip.run_cell("%%perfcheck --budget 0.3 --skip cpu-allocator\nx = 1 + 1")
+    said = [line for line in capsys.readouterr().out.splitlines() if "no live panel" in line]
+    assert said == [
+        "%%perfcheck: no live panel (the panel's front end (torchtune_magic/static/missing.js) "
+        "is not built: install the package with pip, or run `jlpm build` in labextension/); "
+        "showing the static report"
+    ]
