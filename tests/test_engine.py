@@ -198,8 +198,18 @@ def test_bad_options_get_clear_errors():
         Options.build(budget=0)
     with pytest.raises(OptionsError, match="cpu' or 'cuda"):
         Options.build(device="tpu")
-    with pytest.raises(ValueError, match="no IPython is running"):
-        perfcheck("x = 1")
+
+
+def test_no_namespace_outside_ipython_is_a_clear_error():
+    # a fresh interpreter: this test process may already run an IPython shell
+    done = subprocess.run(
+        [sys.executable, "-c", "from torchtune_magic import perfcheck; perfcheck('x = 1')"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "no IPython is running: pass a dict, e.g. perfcheck(code, globals())" in done.stderr
 
 
 def test_optimized_cell_combines_every_code_change():
