@@ -1,10 +1,10 @@
 /**
- * Coexistence of the saved report with the live ipywidgets panel of the same run.
+ * Coexistence of the saved report with the live panel (anywidget) of the same run.
  *
  * While the kernel is alive the cell shows the live panel (a widget whose root has the
- * classes `ttm-live-panel ttm-run-<run_id>`), so the report hides itself. When the panel
- * is not mounted (reopened notebook, kernel gone) the report shows and the widget-view
- * outputs of the cell that failed to render are hidden instead.
+ * classes `ttm-live-panel ttm-run-<run_id>` from its `_dom_classes`), so the report
+ * hides itself. When the panel is not mounted (reopened notebook, kernel gone) the report
+ * shows and the widget-view outputs of the cell that failed to render are hidden instead.
  *
  * How an unrendered widget-view output looks in the DOM (from @jupyter-widgets/jupyterlab-manager
  * `WidgetRenderer.renderModel` and @jupyterlab/outputarea): the output area wraps each output
