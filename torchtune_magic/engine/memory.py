@@ -1,8 +1,8 @@
 """Peak memory of one run, with a label saying what the number means on this device.
 
-CUDA: the caching allocator's `max_memory_allocated` above the start. CPU: torch's CPU
-allocator totals as the profiler sees them (`profile_memory=True`), i.e. peak tensor memory
-allocated during the run above the start — not RSS, which glibc's caching blurs.
+CUDA: the caching allocator's `max_memory_allocated` above the start. CPU: the most bytes
+held at once by tensor blocks allocated during the run, from torch's allocation events as
+the profiler records them (`profile_memory=True`) — not RSS, which glibc's caching blurs.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _read_tree(roots: list, result: Profile) -> None:
 
     from .probe import OpEvent
 
-    allocations: list[tuple[int, int, int]] = []
+    allocations: list[tuple[int, int, int]] = []  # (time, pointer, bytes: < 0 for a free)
 
     def op_children(node) -> list:
         return [c for c in node.children if isinstance(c.extra_fields, _ExtraFields_TorchOp)]
@@ -138,7 +138,7 @@ def _read_tree(roots: list, result: Profile) -> None:
         fields = node.extra_fields
         if isinstance(fields, _ExtraFields_Allocation):
             if fields.device.type == "cpu":
-                allocations.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
+                allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size))
             continue
         if not isinstance(fields, _ExtraFields_TorchOp):
             continue
@@ -152,7 +152,21 @@ def _read_tree(roots: list, result: Profile) -> None:
         result.op_totals[node.name] = (count + 1, total + self_us)
         stack.extend((child, False) for child in node.children)
     result.ops.sort(key=lambda op: op.start_us)
-    if allocations:
-        allocations.sort()
-        start_total = allocations[0][1] - allocations[0][2]
-        result.peak_cpu = max(0, max(total for _, total, _ in allocations) - start_total)
+    result.peak_cpu = _peak_of_own_blocks(sorted(allocations))
+
+
+def _peak_of_own_blocks(events: list[tuple[int, int, int]]) -> int:
+    """The most bytes held at once by blocks allocated in the window. Frees of blocks from
+    before it (an earlier cell's garbage collected meanwhile) do not count: measured against
+    the allocator's running total, they had made a run that freed 16 MiB of someone else's
+    memory read as a peak of 0."""
+    live: dict[int, int] = {}
+    held = peak = 0
+    for _, ptr, size in events:
+        if size > 0:
+            live[ptr] = size
+            held += size
+            peak = max(peak, held)
+        elif ptr in live:
+            held -= live.pop(ptr)
+    return peak
