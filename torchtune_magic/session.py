@@ -699,7 +699,7 @@ class Session:
             on_run=self._on_run(results, budget),
             round_s=sum(firsts[c.label].total_s for c in runnable),
         )
-        self._note_allocator_drift(baseline_runs)
+        self._note_allocator_drift(configs, baseline_runs)
         return self._conclude(configs, results, firsts, timed, {}, outputs, watched)
 
     def _measure_sampled(
@@ -763,16 +763,18 @@ class Session:
             self._report_progress(1.0, f"peak memory: {config.label}")
             results[config.label].peak_memory_bytes = self._checked_run(config, outputs, watched)
         self._count_flops(configs[0])
-        self._note_allocator_drift(baseline_runs)
+        self._note_allocator_drift(configs, baseline_runs)
         return self._conclude(configs, results, firsts, timed, leads, outputs, watched)
 
-    def _note_allocator_drift(self, runs: list[_RunTime]) -> None:
+    def _note_allocator_drift(self, configs: list[_Config], runs: list[_RunTime]) -> None:
         """Say so when glibc's allocator changed state under the measurement: the baseline's
         first timed run paid for page faults the later ones did not (or the reverse) worth
         more than ALLOCATOR_DRIFT_SHARE of a run. glibc raises its mmap threshold when a
         mapped block is freed, by the cell or by our own profiling, so a kernel's first
-        runs of a cell can be slower than the runs measured here."""
-        if len(runs) < 3:
+        runs of a cell can be slower than the runs measured here. Not said when a measured
+        fix set the thresholds itself (cpu-allocator): the change would be ours, and that
+        finding's caveat says what its undo leaves."""
+        if len(runs) < 3 or any(fix.sets_allocator for c in configs for fix in c.fixes):
             return
         first, later = runs[0], runs[1:]
         steady = statistics.median(run.faults for run in later)

@@ -72,6 +72,7 @@ class AllocatorFix(Fix):
     `MALLOC_*_`, else glibc's documented defaults)."""
 
     check_id = "cpu-allocator"
+    sets_allocator = True
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         # the restore is registered first, so a threshold glibc refuses half-way is put back

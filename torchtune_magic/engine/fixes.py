@@ -204,6 +204,10 @@ class Fix:
     # A memory fix (activation checkpointing): under --memory it is judged by its peak
     # memory first and its time second, never called "slower, not recommended".
     saves_memory: ClassVar[bool] = False
+    # Sets the C allocator's thresholds for the process (cpu-allocator): after its undo
+    # glibc no longer moves them by itself, so runs after it are served under another
+    # allocator state than runs before it.
+    sets_allocator: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None
