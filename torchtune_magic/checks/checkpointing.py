@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..engine import frameworks
 from ..engine.fixes import Fix, Patcher
+from ..engine.history import CallEdit
 from ..engine.state import available_memory_bytes
 from ..report import CodeChange
 from .base import Check, Detection
@@ -57,8 +59,13 @@ class CheckpointFix(Fix):
 
 
 def _is_block(module: torch.nn.Module) -> bool:
-    """Worth checkpointing: a composite (has children), not a single built-in layer."""
-    return any(True for _ in module.children())
+    """Worth checkpointing: a composite (has children), not a single built-in layer, and
+    not checkpointed already (a Hugging Face layer after `gradient_checkpointing_enable()`
+    or the Trainer's `activation_checkpointing=True` carries `gradient_checkpointing`)."""
+    return (
+        any(True for _ in module.children())
+        and getattr(module, "gradient_checkpointing", False) is not True
+    )
 
 
 def repeated_blocks(obs: Observation) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
@@ -135,6 +142,26 @@ class ActivationCheckpointingCheck(Check):
         first = obs.module_path(found[0][0])
         fix = CheckpointFix({obs.module_path(block): block for block in blocks})
         fix.seen = obs.places_of(*blocks)
+        elsewhere = [
+            f"in the forward that loops over {first}: "
+            "x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)"
+            " instead of x = block(x)",
+        ]
+        earlier: list[CallEdit] = []
+        owner = frameworks.hf_driver(obs.workload, obs.names_before)
+        if owner is not None:  # the Trainer's own switch: it checkpoints its model's layers
+            setting = frameworks.checkpointing_argument(owner.trainer.args)
+            change = frameworks.args_change(
+                obs.workload, obs.names_before, {setting: "True"}, "when train() starts"
+            )
+            if change is not None:
+                elsewhere, earlier = change.elsewhere, change.earlier
+            # train() would switch the model's layers to checkpointing for good (nothing in
+            # the Trainer switches them back), so the live fix wraps the blocks itself
+            evidence += (
+                f"; live fix: the blocks checkpointed directly ({setting}=True would switch "
+                "the model's layers for good, beyond an exact undo)"
+            )
         return [
             Detection(
                 self.finding(
@@ -145,15 +172,10 @@ class ActivationCheckpointingCheck(Check):
                         "a memory fix: each block's forward runs again during backward, so "
                         "the cell usually gets slower; compare the peak memory before/after"
                     ),
-                    code_change=CodeChange(
-                        "",
-                        [
-                            f"in the forward that loops over {first}: "
-                            "x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)"
-                            " instead of x = block(x)",
-                        ],
-                    ),
+                    code_change=CodeChange("", elsewhere),
                 ),
                 fix,
+                None,
+                earlier,
             )
         ]

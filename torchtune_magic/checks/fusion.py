@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, discovery
+from ..engine import codeedit, discovery, frameworks
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
@@ -317,9 +317,22 @@ class FusePointwiseCheck(Check):
             evidence += f"; {unattributed / 1e3:.1f} ms from the cell's own top-level code"
         source = obs.workload.source
         fixed = _edited_source(source, targets)
-        elsewhere = [text for t in targets if (text := _elsewhere(t))]
+        # a Hugging Face Trainer's model: compiled by the Trainer itself, from its arguments
+        change = frameworks.args_change(
+            obs.workload, obs.names_before, {"torch_compile": "True"}, "when the Trainer is built"
+        )
+        model = change.owner.trainer.model if change is not None else None
+        if not any(t.module is model for t in targets if t.module is not None):
+            change, model = None, None
+        elsewhere = [
+            text
+            for t in targets
+            if (model is None or t.module is not model) and (text := _elsewhere(t))
+        ]
         if unattributed:
             elsewhere.append("move the cell's elementwise math into a function and compile it")
+        if change is not None:
+            elsewhere += change.elsewhere
         return [
             Detection(
                 self.finding(
@@ -335,5 +348,6 @@ class FusePointwiseCheck(Check):
                 ),
                 _compile_fix(obs, targets),
                 fixed if fixed != source else None,
+                change.earlier if change is not None else [],
             )
         ]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..engine import codeedit, fixes, history, steps
+from ..engine import codeedit, fixes, frameworks, history, steps
 from ..engine.fixes import Fix, Patcher
 from ..engine.state import _RNGState
 from ..report import CodeChange
@@ -49,6 +49,14 @@ WORKERS_CAVEAT = (
     "workers hold a copy of the dataset made when they start: later changes to the dataset "
     "are not seen until the loader is rebuilt; random augmentation inside the dataset draws "
     "from per-worker seeds, so its random numbers differ from the in-process run"
+)
+
+
+TRAINER_WORKERS_CAVEAT = (
+    "; with dataloader_persistent_workers=True torch draws the workers' base seed from the "
+    "global random stream for the first epoch of each train() only, so from the second "
+    "epoch on dropout and shuffling draw numbers one place apart from a run without "
+    "workers: results differ as with another seed, not in quality"
 )
 
 
@@ -419,6 +427,9 @@ class _Target:
     locations: list[Location]
     cell_call: ast.Call | None  # its constructor call in the cell, if built there
     unreachable: str | None  # why a live fix cannot reach it, if it cannot
+    # a Hugging Face Trainer from an earlier cell that builds the loader from its arguments
+    # on each call (`trainer.train()`): fixes go through those arguments
+    trainer: frameworks.HFTrainer | None = None
 
 
 def _target(obs: Observation, use: LoaderUse) -> _Target:
@@ -430,6 +441,12 @@ def _target(obs: Observation, use: LoaderUse) -> _Target:
     if use.built_in_cell:
         if use.built_line is not None:
             cell_call = codeedit.call_at(obs.tree, use.built_line, _class_names(loader))
+        owner = None
+        if cell_call is None:
+            owner = frameworks.hf_owner(obs.workload.namespace, obs.names_before, loader)
+        if owner is not None:
+            name = f"the DataLoader {owner.name} builds from {owner.name}.args (Hugging Face)"
+            return _Target(use, name, [], None, None, owner)
         if cell_call is None:
             where = f" at cell line {use.built_line}" if use.built_line else ""
             unreachable = (
@@ -488,6 +505,40 @@ class PinMemoryFix(_LoaderFix):
     check_id = "pin-memory"
 
 
+class _TrainerArgsFix(Fix):
+    """Swap a Hugging Face Trainer's arguments for a copy with `overrides` (through the
+    trainer's `ArgsPlan`, shared with its other loader fixes): the Trainer reads them each
+    time it builds its DataLoader, on every `train()`. Refused when the notebook name no
+    longer holds the Trainer the probe saw."""
+
+    def __init__(self, overrides: dict[str, Any], plan: frameworks.ArgsPlan):
+        super().__init__()
+        self.overrides = overrides
+        self.plan = plan
+        self.seen = [(plan.owner.location, plan.owner.trainer)]
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        plan = self.plan
+        patcher.call(
+            lambda: plan.want(self, self.overrides, namespace),
+            lambda: plan.drop(self, namespace, patcher.notes),
+        )
+
+
+class TrainerWorkersFix(_TrainerArgsFix):
+    check_id = "dataloader-workers"
+    one_time_cause = "worker start"
+
+    @property
+    def warmup_steps(self) -> int:
+        factor = getattr(self.plan.original, "dataloader_prefetch_factor", None)
+        return steps.prefetch_depth(self.overrides["dataloader_num_workers"], factor)
+
+
+class TrainerPinMemoryFix(_TrainerArgsFix):
+    check_id = "pin-memory"
+
+
 def _trials_text(trials: list[Trial]) -> str:
     parts = []
     for trial in trials:
@@ -503,6 +554,10 @@ class WorkersCheck(Check):
     id = "dataloader-workers"
     title = "Batches are loaded in the main process (num_workers=0) while the cell waits"
     guide = "Enable asynchronous data loading and augmentation"
+    threshold = (
+        f"waiting for batches ≥ {WAIT_SHARE:.0%} of the cell's time (torch-tb-profiler's "
+        f"bar) and ≥ {MIN_BATCH_WAIT_S * 1e3:.0f} ms per batch (about a worker's hand-off)"
+    )
 
     def detect(self, obs: Observation) -> list[Detection]:
         detections = []
@@ -542,6 +597,10 @@ class WorkersCheck(Check):
                 evidence += f"; {workers} chosen (start-up {startup:.2f} s, once)"
         reason = target.unreachable or blocked
         shown_k = workers if workers is not None else min(2, os.cpu_count() or 1)
+        if target.trainer is not None:
+            if plan is not None:
+                plan.close()  # the trial's loaders: the Trainer builds its own from its args
+            return self._trainer_detection(obs, target, evidence, workers, shown_k, reason)
         values = {"num_workers": str(shown_k), "persistent_workers": "True"}
         source = obs.workload.source
         fixed = None
@@ -588,6 +647,50 @@ class WorkersCheck(Check):
             [earlier] if earlier else [],
         )
 
+    def _trainer_detection(
+        self,
+        obs: Observation,
+        target: _Target,
+        evidence: str,
+        workers: int | None,
+        shown_k: int,
+        reason: str | None,
+    ) -> Detection:
+        """A loader a Hugging Face Trainer builds: found, fixed and changed through its
+        `TrainingArguments`."""
+        owner = target.trainer
+        assert owner is not None
+        use = target.use
+        values = {"dataloader_num_workers": str(shown_k), "dataloader_persistent_workers": "True"}
+        evidence += (
+            f"; {owner.name} builds this loader on every call from its arguments, "
+            f"{owner.args_class}(dataloader_num_workers={use.loader.num_workers})"
+        )
+        earlier = frameworks.args_edit(obs.workload, owner, values)
+        elsewhere = [] if earlier else [f"{owner.name}'s arguments: {owner.call_text(values)}"]
+        fix = None
+        if reason is not None:
+            evidence += f"; not applied live: {reason}"
+        elif workers is not None:
+            overrides = {"dataloader_num_workers": workers, "dataloader_persistent_workers": True}
+            fix = TrainerWorkersFix(overrides, frameworks.args_plan(owner))
+        where = target.name
+        if use.lines:
+            where += f", iterated at cell {_lines_text(use.lines)}"
+        return Detection(
+            self.finding(
+                evidence=evidence,
+                where=where,
+                fixable=fix is not None,
+                line=min(use.lines) if use.lines else None,
+                caveat=WORKERS_CAVEAT + TRAINER_WORKERS_CAVEAT,
+                code_change=CodeChange("", elsewhere),
+            ),
+            fix,
+            None,
+            [earlier] if earlier else [],
+        )
+
 
 def _non_blocking(source: str, lines: set[int]) -> str:
     """`.to(...)` / `.cuda(...)` calls on these cell lines, given non_blocking=True."""
@@ -617,6 +720,8 @@ class PinMemoryCheck(Check):
     def _detection(self, obs: Observation, use: LoaderUse) -> Detection:
         loader = use.loader
         target = _target(obs, use)
+        if target.trainer is not None:
+            return self._trainer_detection(obs, target)
         source = obs.workload.source
         copy_lines = set(use.copy_lines)
 
@@ -663,5 +768,40 @@ class PinMemoryCheck(Check):
             ),
             fix,
             fixed,
+            [earlier] if earlier else [],
+        )
+
+    def _trainer_detection(self, obs: Observation, target: _Target) -> Detection:
+        """A Hugging Face Trainer's loader: pinned through `dataloader_pin_memory`, its
+        copies made non-blocking through accelerate's `non_blocking` setting."""
+        owner = target.trainer
+        assert owner is not None
+        use = target.use
+        values = {"dataloader_pin_memory": "True"}
+        earlier = frameworks.args_edit(obs.workload, owner, values)
+        elsewhere = [] if earlier else [f"{owner.name}'s arguments: {owner.call_text(values)}"]
+        elsewhere.append(
+            "the Trainer copies batches itself: "
+            f"{owner.args_class}(..., accelerator_config={{'non_blocking': True}}) makes those "
+            "copies non-blocking"
+        )
+        evidence = (
+            f"{use.device_copies} batch tensors from {use.batches} batches were copied to the "
+            f"GPU from pageable memory ({use.non_blocking_copies} with non_blocking=True); "
+            f"{owner.name} builds this loader on every call from "
+            f"{owner.args_class}(dataloader_pin_memory=False)"
+        )
+        return Detection(
+            self.finding(
+                evidence=evidence,
+                where=target.name,
+                fixable=True,
+                line=min(use.lines) if use.lines else None,
+                caveat="pinned memory is page-locked host RAM: very large pinned batches "
+                "reduce the memory left to the rest of the system",
+                code_change=CodeChange("", elsewhere),
+            ),
+            TrainerPinMemoryFix({"dataloader_pin_memory": True}, frameworks.args_plan(owner)),
+            None,
             [earlier] if earlier else [],
         )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..engine import codeedit, cpu, discovery
+from ..engine import codeedit, cpu, discovery, frameworks
 from ..engine.fixes import Fix, Patcher, patched
 from ..report import CodeChange
 from .base import Check, Detection
@@ -251,12 +251,26 @@ class AmpCheck(Check):
         span = _loop_lines(obs, uses)
         fixed = codeedit.wrap_lines(source, *span, header) if span else source
         elsewhere = []
-        if scaled:
+        trainer = frameworks.args_change(
+            obs.workload,
+            obs.names_before,
+            {"bf16" if dtype == torch.bfloat16 else "fp16": "True"},
+            "when the Trainer is built: make the Trainer again after changing it",
+        )
+        if trainer is not None:  # the Trainer's own mixed precision, not a with-block
+            fixed, span, elsewhere = source, None, list(trainer.elsewhere)
+            if scaled and blocked is None:
+                blocked = (
+                    f"{trainer.owner.name} makes its optimizer inside train(), out of a "
+                    "GradScaler's reach: set fp16=True in its arguments"
+                )
+                evidence += f"; not applied live: {blocked}"
+        if scaled and trainer is None:
             elsewhere.append(
                 f"create scaler = torch.amp.GradScaler('{obs.device}') once, then "
                 "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()"
             )
-        if not span:
+        if not span and trainer is None:
             elsewhere.append(f"run the forward passes under {header}")
         fix = None if blocked else AmpFix(obs.device, dtype, scaled)
         names = sorted({obs.module_path(use.module) for use in uses})
@@ -272,6 +286,7 @@ class AmpCheck(Check):
                 ),
                 fix,
                 fixed if fixed != source else None,
+                trainer.earlier if trainer is not None else [],
             )
         ]
 

@@ -1,16 +1,44 @@
 """What a training framework knows about a run that the cell's own code does not show.
 
-`trainer.fit(model, loader)` is one line: the epochs and batches it will run live in the
-framework's settings. Frameworks are found by duck typing on their classes, so none of
-them is imported here.
+`trainer.fit(model, loader)` or `trainer.train()` is one line: the epochs and batches it will
+run live in the framework's settings, the DataLoader it iterates is built inside it, and
+its permanent settings are keyword arguments of an object made in an earlier cell. This
+module reads those settings for the step count, names the framework object that owns a
+loader, phrases a fix as the framework's own argument, swaps a Hugging Face Trainer's
+arguments reversibly, and keeps the Trainer's own bookkeeping in the state snapshot.
+
+Frameworks are found by duck typing on their classes, so none of them is imported here.
 """
 
 from __future__ import annotations
 
+import ast
+import copy
+import dataclasses
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import codeedit, fixes, history
+from .discovery import Location, Step
+
+if TYPE_CHECKING:
+    from .fixes import Fix
+    from .workload import Workload
 
 LIGHTNING_MODULES = ("lightning", "pytorch_lightning")
+HF_MODULES = ("transformers",)
+# Objects of these packages hanging off a Hugging Face Trainer hold its per-run bookkeeping
+# (the accelerator's prepared models/optimizers/loaders, the callback handler, the control)
+HF_STATE_MODULES = ("transformers", "accelerate")
+# Trainer methods that build a DataLoader from `self.args` on every call
+HF_RUN_METHODS = frozenset({"train", "evaluate", "predict"})
+
+
+def _root(cls: type) -> str:
+    return (cls.__module__ or "").split(".")[0]
 
 
 def lightning_trainers(namespace: dict[str, Any]) -> list[Any]:
@@ -18,8 +46,11 @@ def lightning_trainers(namespace: dict[str, Any]) -> list[Any]:
     found = []
     for name, value in namespace.items():
         cls = type(value)
-        root = (cls.__module__ or "").split(".")[0]
-        if not name.startswith("_") and root in LIGHTNING_MODULES and cls.__name__ == "Trainer":
+        if (
+            not name.startswith("_")
+            and _root(cls) in LIGHTNING_MODULES
+            and cls.__name__ == "Trainer"
+        ):
             found.append(value)
     return found
 
@@ -40,3 +71,394 @@ def lightning_total_batches(trainer: Any) -> tuple[int, str] | None:
         total = max_steps * accumulate
         detail = f"Lightning Trainer: max_steps={max_steps} x {accumulate} batches per step"
     return total, detail
+
+
+def total_batches(namespace: dict[str, Any], loader: Any) -> tuple[int, str] | None:
+    """Batches one run of the cell draws from `loader` according to the framework that
+    iterates it (a Hugging Face Trainer training on its dataset, a Lightning Trainer), with
+    how it was worked out; None when no framework tells."""
+    for owner in hf_trainers(namespace):
+        if owner.trainer.train_dataset is getattr(loader, "dataset", None):
+            known = hf_total_batches(owner.trainer, loader)
+            if known is not None:
+                return known
+    for trainer in lightning_trainers(namespace):
+        known = lightning_total_batches(trainer)
+        if known is not None:
+            return known
+    return None
+
+
+# Hugging Face Trainer ----------------------------------------------------------------------
+
+
+def is_hf_trainer(value: Any) -> bool:
+    """A `transformers.Trainer` or a subclass of it (Seq2SeqTrainer, TRL's trainers, a
+    notebook's own `class MyTrainer(Trainer)`), told by its class hierarchy."""
+    return any(
+        cls.__name__ == "Trainer" and _root(cls) in HF_MODULES for cls in type(value).__mro__
+    )
+
+
+@dataclass(frozen=True)
+class HFTrainer:
+    """A Hugging Face Trainer bound to a notebook name, and the places a fix reaches."""
+
+    name: str
+    trainer: Any
+
+    @property
+    def location(self) -> Location:
+        return Location((Step("name", self.name),))
+
+    @property
+    def args_location(self) -> Location:
+        return Location((Step("name", self.name), Step("attr", "args")))
+
+    @property
+    def args_class(self) -> str:
+        """`TrainingArguments`, or the subclass the user built (`Seq2SeqTrainingArguments`)."""
+        return type(self.trainer.args).__name__
+
+    def call_text(self, values: dict[str, str]) -> str:
+        """`TrainingArguments(..., dataloader_num_workers=2)`: the change in its terms."""
+        settings = ", ".join(f"{key}={value}" for key, value in values.items())
+        return f"{self.args_class}(..., {settings})"
+
+
+def hf_trainers(namespace: dict[str, Any]) -> list[HFTrainer]:
+    """Hugging Face Trainers bound to names in the namespace."""
+    return [
+        HFTrainer(name, value)
+        for name, value in list(namespace.items())
+        if not name.startswith("_") and is_hf_trainer(value)
+    ]
+
+
+def _datasets(trainer: Any) -> list[Any]:
+    """The datasets a Trainer builds loaders over: training, evaluation (one or a dict)."""
+    found = [getattr(trainer, "train_dataset", None)]
+    evaluation = getattr(trainer, "eval_dataset", None)
+    found.extend(evaluation.values() if isinstance(evaluation, dict) else [evaluation])
+    return [dataset for dataset in found if dataset is not None]
+
+
+def hf_owner(
+    namespace: dict[str, Any], names_before: frozenset[str], loader: Any
+) -> HFTrainer | None:
+    """The Trainer (bound before the cell ran) that built `loader` from its arguments: its
+    training or evaluation dataset is the loader's own. With several, the one the cell
+    calls wins."""
+    dataset = getattr(loader, "dataset", None)
+    owners = [
+        owner
+        for owner in hf_trainers(namespace)
+        if owner.name in names_before and any(d is dataset for d in _datasets(owner.trainer))
+    ]
+    return owners[0] if owners else None
+
+
+def hf_driver(workload: Workload, names_before: frozenset[str]) -> HFTrainer | None:
+    """The Hugging Face Trainer the cell runs (`trainer.train()`, `.evaluate()`,
+    `.predict()` on a name bound before the cell), or None."""
+    owners = {owner.name: owner for owner in hf_trainers(workload.namespace)}
+    for node in ast.walk(workload.tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        target = node.func.value
+        if node.func.attr in HF_RUN_METHODS and isinstance(target, ast.Name):
+            owner = owners.get(target.id)
+            if owner is not None and owner.name in names_before:
+                return owner
+    return None
+
+
+def hf_total_batches(trainer: Any, loader: Any) -> tuple[int, str] | None:
+    """Batches `trainer.train()` draws from its training loader `loader`, from its
+    arguments as the Trainer works them out: optimizer steps = `max_steps`, else
+    `num_train_epochs` x steps per epoch (a step takes `gradient_accumulation_steps`
+    batches, the last of an epoch what is left); training stops after the last step.
+    accelerate's loader draws one batch ahead, so an epoch stopped part-way has drawn one
+    more batch than it trained on."""
+    args = getattr(trainer, "args", None)
+    try:
+        per_epoch = len(loader)
+    except TypeError:  # an IterableDataset's loader
+        return None
+    accumulate = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+    max_steps = getattr(args, "max_steps", -1)
+    epochs = getattr(args, "num_train_epochs", 0)
+    if per_epoch < 1:
+        return None
+    steps_per_epoch = math.ceil(per_epoch / accumulate)
+    if isinstance(max_steps, int) and max_steps > 0:
+        updates = max_steps
+        detail = f"max_steps={max_steps} x {accumulate} batches per step"
+    elif isinstance(epochs, (int, float)) and epochs > 0:
+        updates = math.ceil(epochs * steps_per_epoch)
+        detail = f"num_train_epochs={epochs:g} x {per_epoch} batches"
+    else:
+        return None
+    full, rest = divmod(updates, steps_per_epoch)
+    total = full * per_epoch + (min(per_epoch, rest * accumulate + 1) if rest else 0)
+    if accumulate > 1 and not (isinstance(max_steps, int) and max_steps > 0):
+        detail += f" (gradient_accumulation_steps={accumulate})"
+    if rest:
+        detail += (
+            f", {per_epoch} batches per epoch, stopping after optimizer step {updates} "
+            "part-way through an epoch (one batch drawn ahead)"
+        )
+    return total, f"Hugging Face Trainer: {detail}"
+
+
+def checkpointing_argument(args: Any) -> str:
+    """The argument that turns activation checkpointing on: `activation_checkpointing` in
+    the transformers releases that renamed it, `gradient_checkpointing` before."""
+    names = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else set()
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+
+
+def args_edit(
+    workload: Workload, owner: HFTrainer, values: dict[str, str]
+) -> history.CallEdit | None:
+    """The edit giving `values` to the `TrainingArguments(...)` call that built the
+    trainer's arguments in an earlier cell: bound to a name of its own
+    (`args = TrainingArguments(...)`), or written inside `Trainer(..., args=...)`."""
+    namespace, notebook = workload.namespace, workload.notebook
+    args = owner.trainer.args
+    for name in [n for n, v in list(namespace.items()) if v is args and not n.startswith("_")]:
+        edit = history.keyword_edit(notebook, namespace, [name], values)
+        if edit is not None:
+            return edit
+    built = history.keyword_edit(notebook, namespace, [owner.name], {})
+    if built is None or notebook is None or notebook.inputs is None:
+        return None
+    tree = ast.parse(notebook.inputs.cell(built.execution_count)[1])
+    call = next(
+        (
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and node.lineno == built.line
+            and node.col_offset == built.col
+        ),
+        None,
+    )
+    if call is None:
+        return None
+    given = [k.value for k in call.keywords if k.arg == "args"] + call.args[1:2]
+    inner = given[0] if given else None
+    if not isinstance(inner, ast.Call):
+        return None
+    if codeedit.dotted_name(inner.func).rsplit(".", 1)[-1] != type(args).__name__:
+        return None
+    return history.CallEdit(
+        built.execution_count,
+        inner.lineno,
+        inner.col_offset,
+        type(args).__name__,
+        tuple(values.items()),
+    )
+
+
+@dataclass
+class ArgsChange:
+    """A setting of the Trainer the cell runs, as the permanent change: the edit of the
+    earlier cell's `TrainingArguments(...)` call where it can be found, else a line saying
+    what to set."""
+
+    owner: HFTrainer
+    elsewhere: list[str]
+    earlier: list[history.CallEdit]
+
+
+def args_change(
+    workload: Workload, names_before: frozenset[str], values: dict[str, str], when: str
+) -> ArgsChange | None:
+    """`values` as a change of the arguments of the Hugging Face Trainer the cell runs
+    (None when it runs none). `when` says when the Trainer reads them ("when it is built"):
+    a setting read in `Trainer.__init__` needs the Trainer made again."""
+    owner = hf_driver(workload, names_before)
+    if owner is None:
+        return None
+    edit = args_edit(workload, owner, values)
+    text = f"{owner.name}'s arguments: {owner.call_text(values)} (read {when})"
+    return ArgsChange(owner, [] if edit else [text], [edit] if edit else [])
+
+
+class ArgsPlan:
+    """The copies of one Trainer's arguments that its applied fixes want, merged.
+
+    The Trainer reads `self.args` whenever it builds a DataLoader (each `train()`,
+    `evaluate()`), so a fix swaps `trainer.args` for a copy with its settings. Several
+    fixes (workers, pinned memory) change the same object: the plan puts the copy with the
+    union of the wanted settings in place (the user's own arguments when none), so they
+    compose and undo in any order, and undo puts back the very object the user built.
+    """
+
+    def __init__(self, owner: HFTrainer):
+        self.owner = owner
+        self.original = owner.trainer.args
+        self.copies: dict[tuple[tuple[str, Any], ...], Any] = {}
+        self.wanted: dict[int, dict[str, Any]] = {}
+
+    def args_for(self, overrides: dict[str, Any]) -> Any:
+        if not overrides:
+            return self.original
+        key = tuple(sorted(overrides.items()))
+        if key not in self.copies:
+            self.copies[key] = _args_with(self.original, overrides)
+        return self.copies[key]
+
+    def _current(self) -> Any:
+        merged: dict[str, Any] = {}
+        for overrides in self.wanted.values():
+            merged.update(overrides)
+        return self.args_for(merged)
+
+    def want(self, fix: Fix, overrides: dict[str, Any], namespace: dict[str, Any]) -> None:
+        """Put the arguments with `fix`'s settings added in place. Raises `fixes.Rebound`,
+        before changing anything, when `trainer.args` no longer holds what the plan put
+        there (the user assigned arguments of their own since the probe ran)."""
+        current = self._current()
+        fixes.expect(namespace, self.owner.args_location, current)
+        self.wanted[id(fix)] = overrides
+        self.owner.args_location.set(namespace, self._current())
+
+    def drop(self, fix: Fix, namespace: dict[str, Any], notes: list[str]) -> None:
+        """Put the arguments without `fix`'s settings in place, except where the user has
+        assigned others since (left there, with a note in `notes`)."""
+        current = self._current()
+        self.wanted.pop(id(fix), None)
+        note = fixes.replace_held(namespace, self.owner.args_location, current, self._current())
+        if note is not None:
+            notes.append(note)
+
+
+def _args_with(args: Any, overrides: dict[str, Any]) -> Any:
+    """A shallow copy of the arguments with `overrides` set. Not `dataclasses.replace`: that
+    runs `__post_init__` again, which sets up devices afresh and so resets accelerate's
+    process-wide state under the Accelerator the Trainer already holds (its next
+    `prepare` fails); the copy keeps the device setup the original made."""
+    names = {f.name for f in dataclasses.fields(args)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"{type(args).__name__} has no argument {', '.join(unknown)}")
+    copied = copy.copy(args)
+    vars(copied).update(overrides)
+    return copied
+
+
+_ARGS_PLANS: dict[int, ArgsPlan] = {}
+
+
+def args_plan(owner: HFTrainer) -> ArgsPlan:
+    """The one plan of this Trainer's arguments (shared by its fixes, so they merge)."""
+    plan = _ARGS_PLANS.get(id(owner.trainer))
+    if (
+        plan is None
+        or plan.owner.trainer is not owner.trainer
+        or plan.original is not owner.trainer.args
+    ):
+        plan = _ARGS_PLANS[id(owner.trainer)] = ArgsPlan(owner)
+    return plan
+
+
+# the Trainer's own bookkeeping in the state snapshot -----------------------------------------
+
+_MISSING = object()
+_NOT_STATE = (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.utils.data.DataLoader)
+
+
+@dataclass
+class _Bindings:
+    """One object's attribute bindings, and the contents of the lists, dicts and sets
+    they held, put back by identity (nothing is copied deeper)."""
+
+    obj: Any
+    attributes: dict[str, Any] | None  # None: a process-wide singleton, contents only
+    contents: list[tuple[Any, Any]]
+
+    @classmethod
+    def of(cls, obj: Any) -> _Bindings:
+        attributes = dict(vars(obj))
+        contents = [
+            (value, value.copy())
+            for value in attributes.values()
+            if type(value) in (list, dict, set)
+        ]
+        # accelerate's states share one dict per class (`_shared_state`): process-wide
+        # settings that Accelerators made later may reset or fill in, so only the lists
+        # they keep per run (GradientState's loader references) are put back
+        shared = vars(obj) is getattr(type(obj), "_shared_state", None)
+        return cls(obj, None if shared else attributes, contents)
+
+    def restore(self) -> None:
+        for container, saved in self.contents:
+            if container != saved:
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(saved)
+                else:
+                    container.update(saved)
+        if self.attributes is None:
+            return
+        current = vars(self.obj)
+        for key in [k for k in current if k not in self.attributes]:
+            del current[key]
+        for key, value in self.attributes.items():
+            if current.get(key, _MISSING) is not value:
+                current[key] = value
+
+
+def _state_parts(trainer: Any) -> list[Any]:
+    """The Trainer and the objects of its own packages it keeps per-run state in (its
+    accelerator and that one's gradient state, callback handler and callbacks, control,
+    state, memory tracker); not the model, optimizer or loaders, which the snapshot keeps
+    by value, nor its arguments, which fixes swap."""
+    parts = [trainer]
+    queue = [v for k, v in vars(trainer).items() if k != "args"]
+    accelerator = vars(trainer).get("accelerator")
+    queue.append(getattr(accelerator, "gradient_state", None))
+    queue.extend(getattr(vars(trainer).get("callback_handler"), "callbacks", None) or [])
+    seen = {id(trainer)}
+    for value in queue:
+        if (
+            value is None
+            or id(value) in seen
+            or isinstance(value, _NOT_STATE)
+            or _root(type(value)) not in HF_STATE_MODULES
+            or not hasattr(value, "__dict__")
+        ):
+            continue
+        seen.add(id(value))
+        parts.append(value)
+    return parts
+
+
+@dataclass
+class TrainerState:
+    """What `trainer.train()` changes on a Trainer made in an earlier cell, beyond the
+    tensors: it creates its optimizer on the first call and keeps it (a second call goes on
+    with its moments), accelerate records every prepared model, optimizer and loader (and
+    so keeps the loaders' worker processes alive), a run stopped at a step leaves flags
+    set. Restoring puts every attribute back as it was, so each measuring run and the
+    cell's complete run start from the Trainer the user built."""
+
+    parts: list[_Bindings]
+
+    @classmethod
+    def take(cls, namespace: dict[str, Any]) -> TrainerState:
+        parts: dict[int, Any] = {}
+        for owner in hf_trainers(namespace):
+            for part in _state_parts(owner.trainer):
+                parts.setdefault(id(part), part)
+        return cls([_Bindings.of(part) for part in parts.values()])
+
+    def restore(self) -> None:
+        for part in self.parts:
+            part.restore()

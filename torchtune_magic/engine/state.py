@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import allocator, discovery
+from . import allocator, discovery, frameworks
 
 try:  # numpy is optional for the guard; torch works without it
     import numpy as np
@@ -230,6 +230,7 @@ class Snapshot:
     stateful: list[_StateDictObject] = field(default_factory=list)
     rng: _RNGState | None = None
     switches: TorchSwitches | None = None
+    trainers: frameworks.TrainerState | None = None  # Hugging Face Trainers' bookkeeping
 
     @property
     def nbytes(self) -> int:
@@ -243,6 +244,8 @@ class Snapshot:
         for name, value in self.bindings.items():
             if ns.get(name, _MISSING) is not value:
                 ns[name] = value
+        if self.trainers is not None:
+            self.trainers.restore()
         for tensor_state in self.tensors:
             tensor_state.restore()
         for module, training in self.training_flags:
@@ -310,6 +313,7 @@ def take(namespace: dict[str, Any], found: dict[int, discovery.Found]) -> Snapsh
         ],
         rng=_RNGState.capture(generators),
         switches=TorchSwitches.capture(),
+        trainers=frameworks.TrainerState.take(namespace),
     )
 
 

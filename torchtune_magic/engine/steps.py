@@ -436,10 +436,9 @@ def count_steps(obs: Observation, trace: StepTrace) -> StepCount:
         return StepCount(trace.count, f"{_epochs_text(trace)}counted in the probe's complete run")
     line = min(trace.lines) if trace.lines else None
     if trace.unit == "batch":
-        for trainer in frameworks.lightning_trainers(namespace):
-            known = frameworks.lightning_total_batches(trainer)
-            if known is not None:
-                return StepCount(known[0], f"{known[1]} = {known[0]} steps")
+        known = frameworks.total_batches(namespace, trace.obj)
+        if known is not None:
+            return StepCount(known[0], f"{known[1]} = {known[0]} steps")
         per_epoch = trace.epoch_lengths[0] if trace.epoch_lengths else _sized_length(trace.obj)
         if per_epoch is None:
             return StepCount(None, "the loader has no length and no epoch ended in the probe")
