@@ -139,11 +139,15 @@ class Lab:
 
         wait_until(saved, 20, f"{notebook} to be saved with its outputs")
 
-    def command(self, command: str, args: dict | None = None) -> None:
-        """Run a JupyterLab command as its menu item would."""
-        self.page.evaluate(
-            "([id, args]) => window.jupyterapp.commands.execute(id, args)", [command, args or {}]
+    def command(self, command: str, args: dict | None = None, *, wait: bool = True) -> None:
+        """Run a JupyterLab command as its menu item would. `wait=False` for a command
+        that opens a dialog: its promise settles only once the dialog is answered."""
+        script = (
+            "([id, args]) => window.jupyterapp.commands.execute(id, args)"
+            if wait
+            else "([id, args]) => { window.jupyterapp.commands.execute(id, args); }"
         )
+        self.page.evaluate(script, [command, args or {}])
 
     def screenshot(self, step: str, of: Locator | None = None) -> Path:
         """Keep a picture of the page (or of one element, scrolled into view) as an artifact."""

@@ -1,16 +1,20 @@
 """Apply to notebook: from the live panel, after a dialog showing the diffs, the earlier
 cell that built the model and the %%perfcheck cell are edited as one notebook change, and
-one undo (Ctrl+Z in command mode) restores both; a cell changed since it ran is refused."""
+one undo (Ctrl+Z in command mode) restores both; the same from the saved report after a
+reopen, and from the command; a cell changed since it ran is refused."""
 
 from __future__ import annotations
 
 import pytest
 from playwright.sync_api import expect
 
-from .lab import LIVE_PANEL, Lab
+from .cells import panel_of_report
+from .lab import LIVE_PANEL, SAVED_REPORT, Lab
 from .server import JupyterLab
 
 pytestmark = pytest.mark.browser
+
+APPLY_COMMAND = "torchtune-magic:apply-to-notebook"
 
 MODEL = """\
 import torch
@@ -77,6 +81,33 @@ def test_apply_to_notebook_edits_both_cells_as_one_undoable_change(
     expect(lab.cell(2).locator(".cm-content")).to_contain_text("set_to_none=False")
     assert lab.source(1) == MODEL and lab.source(2) == CHECKED
 
+    # Reopened without the kernel: the saved report (the same view) offers the same edit,
+    # found by the execution counts saved in the notebook; the command finds it too.
+    lab.save(notebook)
+    jupyter_lab.shutdown_kernels()
+    lab.page.reload()
+    saved = lab.cell(2).locator(SAVED_REPORT)
+    expect(saved).to_be_visible()
+    lab.focus_editor(2)
+    lab.page.keyboard.press("Escape")
+    lab.command(APPLY_COMMAND, wait=False)
+    expect(lab.page.locator(".jp-Dialog .ttm-apply-preview .ttm-code-caption")).to_have_text(
+        ["In[2]", "this cell (%%perfcheck)"]
+    )
+    lab.page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-reject").click()  # Cancel
+    expect(lab.page.locator(".jp-Dialog")).to_have_count(0)
+    assert lab.source(1) == MODEL and lab.source(2) == CHECKED
+
+    edits = saved.locator(".ttm-notebook-edits")
+    edits.get_by_role("button", name="Apply to notebook").click()
+    lab.page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept").click()
+    expect(edits.locator(".ttm-apply-outcome")).to_contain_text("Edited In[2] and this cell")
+    expect(lab.cell(1).locator(".cm-content")).to_contain_text("padding=1, bias=False)")
+    assert lab.source(1) == MODEL_AFTER and lab.source(2) == CHECKED_AFTER
+    lab.page.keyboard.press("Control+z")
+    expect(lab.cell(1).locator(".cm-content")).not_to_contain_text("bias=False")
+    assert lab.source(1) == MODEL and lab.source(2) == CHECKED
+
     # A cell changed since it ran: refused, nothing edited.
     lab.focus_editor(1)
     lab.page.keyboard.press("Control+End")
@@ -88,3 +119,32 @@ def test_apply_to_notebook_edits_both_cells_as_one_undoable_change(
     )
     expect(lab.page.locator(".jp-Dialog")).to_have_count(0)
     assert lab.source(2) == CHECKED
+
+
+# What a front end without the labextension sees (VS Code, Colab): no button that could
+# do nothing, but how to make the change instead.
+NO_LABEXTENSION = "document.body.removeAttribute('data-ttm-notebook-edits')"
+EDITS = """\
+report["notebook_edits"] = {"fixes": ["zero-grad-none"], "cells": [{
+    "execution_count": None, "before": "%%perfcheck\\nopt.zero_grad(set_to_none=False)",
+    "after": "%%perfcheck\\nopt.zero_grad(set_to_none=True)",
+    "diff": "-opt.zero_grad(set_to_none=False)\\n+opt.zero_grad(set_to_none=True)\\n"}]}
+"""
+
+
+def test_without_the_labextension_the_view_says_how_to_make_the_change(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    notebook = jupyter_lab.write_notebook("no-lab.ipynb", [panel_of_report("nolab-1", edit=EDITS)])
+    lab.open_notebook(notebook)
+    lab.page.evaluate(NO_LABEXTENSION)
+    lab.run_cell(0, f"{LIVE_PANEL} .ttm-notebook-edits")
+    lab.cell(0).locator(LIVE_PANEL).get_by_role("button", name="Show code").click()
+    edits = lab.cell(0).locator(f"{LIVE_PANEL} .ttm-notebook-edits")
+    expect(edits).to_be_visible()
+    expect(edits.get_by_role("button", name="Apply to notebook")).to_have_count(0)
+    expect(edits.locator(".ttm-no-notebook-edits")).to_have_text(
+        "Apply to notebook needs JupyterLab or Notebook 7 with the torchtune-magic extension; "
+        "here, copy the cells below, or run `%perfcheck insert` in a cell."
+    )
+    expect(edits.get_by_role("button", name="Copy cell")).to_have_count(1)

@@ -221,8 +221,10 @@ def test_report_renders_utilisation(lab: Lab, jupyter_lab: JupyterLab) -> None:
     host_sync = report.locator("tr[data-finding='host-sync'] .ttm-speedup")
     expect(host_sync).to_have_text("not auto-fixable")
     expect(report.locator(".ttm-combined")).to_have_text(
-        "all fixes together: 7.59× faster−40% memory187 TFLOP/s · 18.9% of peak"
+        "all fixes together: 7.59× faster−40% memoryclose187 TFLOP/s · 18.9% of peak"
     )
+    # whether the combined run's results stayed the same, on its own line
+    expect(report.locator(".ttm-combined .ttm-verdict-close")).to_have_text("close")
     expect(report.locator(".ttm-combined .ttm-badge-throughput")).to_have_text(
         "187 TFLOP/s · 18.9% of peak"
     )
