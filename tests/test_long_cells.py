@@ -174,6 +174,15 @@ def test_apply_wins_runs_the_complete_cell_with_the_measured_wins() -> None:
     _assert_same(_state(ns), expected)
 
 
+@pytest.fixture
+def ctrl_c() -> Any:
+    """Ctrl-C raises KeyboardInterrupt here as in a kernel, whatever SIGINT disposition the
+    suite was started with (a shell without job control starts background jobs ignoring it)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_when_finishing(reports: list[Report]) -> Any:
     """An on_report callback recording each report that sends this process a real SIGINT
     (Ctrl-C) shortly after the cell's complete run starts."""
@@ -186,13 +195,22 @@ def _interrupt_when_finishing(reports: list[Report]) -> Any:
     return on_report
 
 
-def test_ctrl_c_during_the_complete_run_leaves_no_fix_applied() -> None:
+def _interrupted(reports: list[Report], **options: Any) -> None:
+    """perfcheck of the long cell, Ctrl-C'd during its complete run."""
+    try:
+        perfcheck(LONG_CELL, budget=4, on_report=_interrupt_when_finishing(reports), **options)
+    except KeyboardInterrupt:
+        return
+    runs = [(r.phase, r.cell_run and r.cell_run.status) for r in reports]
+    pytest.fail(f"the complete run was not interrupted; reports (phase, cell run): {runs}")
+
+
+def test_ctrl_c_during_the_complete_run_leaves_no_fix_applied(ctrl_c: None) -> None:
     ns = namespace_with(LONG_SETUP)
     loader = ns["loader"]
     set_detect_anomaly = torch.autograd.set_detect_anomaly
     reports: list[Report] = []
-    with pytest.raises(KeyboardInterrupt):
-        perfcheck(LONG_CELL, ns, budget=4, on_report=_interrupt_when_finishing(reports))
+    _interrupted(reports, namespace=ns)
 
     last = reports[-1]
     assert last.cell_run is not None and last.cell_run.status == "interrupted"
@@ -204,18 +222,11 @@ def test_ctrl_c_during_the_complete_run_leaves_no_fix_applied() -> None:
     assert 0 < len(_runs(ns["steplog"])[-1]) < STEPS
 
 
-def test_ctrl_c_during_the_complete_run_keeps_the_fixes_asked_for() -> None:
+def test_ctrl_c_during_the_complete_run_keeps_the_fixes_asked_for(ctrl_c: None) -> None:
     ns = namespace_with(LONG_SETUP)
     loader = ns["loader"]
     reports: list[Report] = []
-    with pytest.raises(KeyboardInterrupt):
-        perfcheck(
-            LONG_CELL,
-            ns,
-            budget=4,
-            apply="dataloader-workers",
-            on_report=_interrupt_when_finishing(reports),
-        )
+    _interrupted(reports, namespace=ns, apply="dataloader-workers")
     assert reports[-1].cell_run.status == "interrupted"
     assert reports[-1].cell_run.fixes == ["dataloader-workers"]
     assert ns["loader"] is not loader and ns["loader"].num_workers > 0  # asked for: kept

@@ -112,6 +112,9 @@ def test_live_panel_and_saved_report_are_one_view_and_keep_every_measurement(
 def test_a_fix_refused_on_a_rebound_name_says_so_in_its_row(
     lab: Lab, jupyter_lab: JupyterLab
 ) -> None:
+    """Applied, then the user binds a new optimizer to the name: Revert all leaves their
+    object alone (no stale one put back, nothing of ours left on it), and ticking the fix
+    again is refused in its row."""
     notebook = jupyter_lab.write_notebook(
         "rebound.ipynb",
         [
@@ -119,15 +122,25 @@ def test_a_fix_refused_on_a_rebound_name_says_so_in_its_row(
             "%%perfcheck --budget 1 --checks zero-grad-none\n" + demo.CELL,
             "opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the user's new optimizer\n"
             "mine = opt",
+            "print('user object kept:', opt is mine, '| patched:', 'zero_grad' in vars(opt))",
         ],
     )
     lab.open_notebook(notebook)
     lab.run_cell(0)
     panel = lab.run_cell(1, f"{LIVE_PANEL}[class*='ttm-run-']", timeout=MEASURE_TIMEOUT)
     expect(panel.locator(".ttm-progress")).to_have_count(0, timeout=MEASURE_TIMEOUT)
+    row = _reveal(_row(panel, "zero-grad-none"))
+    row.locator(".ttm-toggle input").check()
+    expect(row.locator(".ttm-badge-applied")).to_have_count(1)
     lab.run_cell(2)
 
-    row = _reveal(_row(panel, "zero-grad-none"))
+    panel.get_by_role("button", name="Revert all").click()
+    expect(row.locator(".ttm-badge-applied")).to_have_count(0)
+    lab.run_cell(3)
+    expect(lab.cell(3).locator(".jp-OutputArea-output")).to_have_text(
+        "user object kept: True | patched: False"
+    )
+
     row.locator(".ttm-toggle input").check()
     message = row.locator(".ttm-row-message")
     expect(message).to_contain_text("could not apply: ")
@@ -136,4 +149,8 @@ def test_a_fix_refused_on_a_rebound_name_says_so_in_its_row(
     )
     expect(row.locator(".ttm-toggle input")).not_to_be_checked()
     expect(row.locator(".ttm-badge-applied")).to_have_count(0)
+    lab.run_cell(3)
+    expect(lab.cell(3).locator(".jp-OutputArea-output")).to_have_text(
+        "user object kept: True | patched: False"
+    )
     lab.screenshot("refused")
