@@ -136,3 +136,24 @@ def test_a_change_made_by_measuring_cpu_allocator_is_not_blamed_on_the_cell() ->
     variants, warnings = json.loads(done.stdout.strip().splitlines()[-1])
     assert ["cpu-allocator"] in variants, variants
     assert not [w for w in warnings if w.startswith("glibc's allocator changed state")]
+
+
+def test_the_drift_note_says_which_way_the_baseline_is_off() -> None:
+    """First run faulting more: a kernel's first runs are slower than the baseline. Later
+    runs faulting more (left so by the fixes' runs in between, as a compiled variant did
+    in the zoo): the baseline itself is slow and the speedups overstated."""
+    from torchtune_magic.engine.workload import Workload
+    from torchtune_magic.options import Options
+    from torchtune_magic.session import Session, _RunTime
+
+    def note(first: int, later: int) -> str:
+        session = Session(Workload("pass", {}), Options.build())
+        runs = [_RunTime(0.1, faults=first)] + [_RunTime(0.1, faults=later)] * 3
+        session._note_allocator_drift([], runs)
+        (warning,) = session.warnings
+        return warning
+
+    fault_s = allocator.fault_cost_s()
+    many = int(0.05 * 0.1 / fault_s) * 4  # well past 5% of a 0.1 s run
+    assert "first runs in a kernel can be slower than this baseline" in note(many, 0)
+    assert "speedups overstated" in note(0, many)

@@ -782,12 +782,22 @@ class Session:
         run_s = statistics.median(run.total_s for run in later)
         if run_s <= 0 or cost_s < ALLOCATOR_DRIFT_SHARE * run_s:
             return
+        if first.faults > steady:
+            meaning = (
+                "glibc raises its mmap threshold as large blocks are freed, so this cell's "
+                "first runs in a kernel can be slower than this baseline"
+            )
+        else:  # the runs in between (other configurations) left glibc serving it worse
+            meaning = (
+                "what ran between them (the fixes' runs) left glibc serving this cell's "
+                "blocks with fresh pages, so this baseline can be slower than the cell runs "
+                "in a kernel, and speedups overstated"
+            )
         self._warn_once(
             f"glibc's allocator changed state while measuring: the baseline's first timed run "
             f"took {first.faults:,} page faults, the later ones {steady:,.0f} "
-            f"(≈{cost_s * 1e3:.1f} ms of a {run_s * 1e3:.0f} ms run); glibc raises its mmap "
-            "threshold as large blocks are freed, so this cell's first runs in a kernel can "
-            "be slower than this baseline (cpu-allocator measures fixing that)"
+            f"(≈{cost_s * 1e3:.1f} ms of a {run_s * 1e3:.0f} ms run); {meaning} "
+            "(cpu-allocator measures fixing that)"
         )
 
     @contextmanager
