@@ -14,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkout
 import nbformat
 import pytest
 import yaml
+from checkout import run
 
 from torchtune_magic.report import MIME_TYPE
 
@@ -60,31 +62,6 @@ def pip_requirements(environment: dict) -> list[str]:
     return requirements
 
 
-def _clone(destination: Path) -> Path:
-    """The files Binder would see: tracked and new ones, nothing that git ignores."""
-    names = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    for name in filter(None, (n.decode() for n in names)):
-        source = REPO / name
-        if source.is_file():
-            target = destination / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-    return destination
-
-
-def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float) -> str:
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
 def test_environment_maps_to_pip() -> None:
     environment = yaml.safe_load((BINDER / "environment.yml").read_text())
     assert environment["channels"] == ["conda-forge"]
@@ -105,7 +82,7 @@ def test_binder_files_name_no_registry_host() -> None:
 def test_fresh_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
     if shutil.which("node") is None:
         pytest.fail("nodejs is needed (Binder gets it from conda-forge): install node")
-    clone = _clone(tmp_path / "repo")
+    clone = checkout.clone(tmp_path / "repo")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -122,13 +99,13 @@ def test_fresh_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
     )
     environment = yaml.safe_load((BINDER / "environment.yml").read_text())
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    _run([*pip, *pip_requirements(environment)], env, clone, timeout=600)
-    _run(["bash", str(clone / "binder" / "postBuild")], env, clone, timeout=600)
+    run([*pip, *pip_requirements(environment)], env, clone, timeout=600)
+    run(["bash", str(clone / "binder" / "postBuild")], env, clone, timeout=600)
 
     shared = venv / "share" / "jupyter"
     assert (shared / "labextensions" / "torchtune-magic" / "package.json").is_file()
     assert (shared / "lab" / "settings" / "overrides.json").is_file()
-    kernel = _run(
+    kernel = run(
         [
             str(python),
             "-c",
@@ -144,7 +121,7 @@ def test_fresh_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
     # Installed, not imported from the clone: run from outside it.
     for notebook in NOTEBOOKS:
         executed = tmp_path / "executed" / notebook.name
-        _run(
+        run(
             [
                 str(python),
                 "-m",

@@ -17,8 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkout
 import nbformat
 import pytest
+from checkout import run
 
 from torchtune_magic.report import MIME_TYPE
 
@@ -72,36 +74,10 @@ def test_the_engine_imports_no_front_end_package() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def _clone(destination: Path) -> Path:
-    """The files a user's checkout has: tracked and new ones, nothing git ignores (no
-    built extension, no node_modules): `pip install .` must build them."""
-    names = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    for name in filter(None, (n.decode() for n in names)):
-        source = REPO / name
-        if source.is_file():
-            target = destination / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-    return destination
-
-
-def _run(command: list[str], env: dict[str, str], cwd: Path, timeout: float) -> str:
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
 def test_pip_install_alone_gives_the_live_panel(tmp_path: Path) -> None:
     if shutil.which("node") is None:
         pytest.fail("nodejs is needed to build the labextension and the panel's ES module")
-    clone = _clone(tmp_path / "repo")
+    clone = checkout.clone(tmp_path / "repo")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
@@ -118,11 +94,11 @@ def test_pip_install_alone_gives_the_live_panel(tmp_path: Path) -> None:
     )
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # The user's Jupyter: a kernel and a way to run notebooks; no widget package at all.
-    _run([*pip, "torch==2.13.0", "numpy", "ipykernel", "nbclient", "nbformat"], env, clone, 600)
+    run([*pip, "torch==2.13.0", "numpy", "ipykernel", "nbclient", "nbformat"], env, clone, 600)
     check = "import importlib.util as u; print([n for n in ('ipywidgets', 'anywidget') if u.find_spec(n)])"  # noqa: E501
-    assert _run([python, "-c", check], env, clone, 60).strip() == "[]"
+    assert run([python, "-c", check], env, clone, 60).strip() == "[]"
 
-    _run([*pip, "."], env, clone, timeout=900)  # no extras
+    run([*pip, "."], env, clone, timeout=900)  # no extras
 
     installed = venv / "share" / "jupyter" / "labextensions"
     for extension in ("torchtune-magic", "anywidget", "@jupyter-widgets/jupyterlab-manager"):
@@ -141,7 +117,7 @@ def test_pip_install_alone_gives_the_live_panel(tmp_path: Path) -> None:
     path.parent.mkdir()
     nbformat.write(nb, path)
     (tmp_path / "execute.py").write_text(EXECUTE)
-    _run([python, str(tmp_path / "execute.py"), str(path)], env, path.parent, timeout=600)
+    run([python, str(tmp_path / "execute.py"), str(path)], env, path.parent, timeout=600)
 
     saved = nbformat.read(path, as_version=4)
     outputs = saved.cells[1].outputs
