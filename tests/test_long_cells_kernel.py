@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from jupyter_client.manager import start_new_kernel
-from kernels import collect_until_idle
+from kernel_messages import collect_until_idle
 from test_long_cells import LONG_CELL, LONG_SETUP, STEPS
 
 from torchtune_magic.report import MIME_TYPE
