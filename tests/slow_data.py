@@ -25,3 +25,9 @@ class SlowDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(self.delay_s)
         return self.x[index], self.y[index]
+
+
+def slow_worker_start(worker_id: int) -> None:
+    """A `worker_init_fn` that takes a quarter second, as opening files or a database
+    connection in each worker does: a loader without persistent workers pays it every epoch."""
+    time.sleep(0.25)

@@ -20,6 +20,7 @@ from workloads import namespace_with
 
 from torchtune_magic import perfcheck, session
 from torchtune_magic.engine import steps
+from torchtune_magic.render import summary
 from torchtune_magic.report import Report
 
 LONG_SETUP = """
@@ -124,6 +125,54 @@ def test_every_measuring_run_stops_after_the_same_step_and_compares_there() -> N
     assert report.baseline.projected_cell_s > (STEPS - warmup) * report.baseline.median_s
     assert report.cell_run is not None and report.cell_run.status == "complete"
     assert report.cell_run.steps == STEPS
+
+
+RESTARTING_SETUP = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from slow_data import SlowDataset, slow_worker_start
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loader = DataLoader(SlowDataset(80, delay_s=0.001), batch_size=2, num_workers=2,
+                    worker_init_fn=slow_worker_start)
+steplog = []
+"""
+RESTARTING_CELL = """
+for epoch in range(6):
+    for i, (x, y) in enumerate(loader):
+        steplog.append(epoch * 1000 + i)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+"""
+
+
+def test_epoch_restarts_are_timed_and_count_in_the_projection() -> None:
+    """Every epoch starts new workers that take 0.25 s to start (most of the cell's time);
+    steps inside an epoch take ~2 ms. Timing steps inside an epoch alone would project the
+    cell at about a third of its time (measured: 0.82 s for a 2.34 s run)."""
+    ns = namespace_with(RESTARTING_SETUP)
+    report = perfcheck(RESTARTING_CELL, ns, budget=6, checks="dataloader-workers")
+
+    sampled = report.sampling
+    assert sampled is not None and sampled.steps_per_epoch == 40
+    stop = sampled.stop_step
+    # every measuring run went on into the next epoch within its timed steps
+    measuring = [run for run in _runs(ns["steplog"])[1:-1] if len(run) == stop]
+    assert len(measuring) >= 3
+    assert all(run[-1] >= 1000 for run in measuring), measuring
+    assert ns["steplog"][-240:] == [e * 1000 + i for e in range(6) for i in range(40)]
+
+    complete = report.cell_run
+    assert complete is not None and complete.status == "complete" and complete.steps == 240
+    projected = report.baseline.projected_cell_s
+    assert projected is not None
+    assert 0.7 < projected / complete.seconds < 1.5, (projected, complete.seconds)
+    assert "an epoch restart in the timed batches counts once per 40" in summary.sampling_line(
+        report
+    )
 
 
 def test_the_kernel_ends_as_after_one_complete_plain_run() -> None:

@@ -100,3 +100,46 @@ def test_warmup_covers_a_loaders_prefetch_burst() -> None:
     assert steps.warmup_for(None, steps.prefetch_depth(4, None)) == 8  # 4 workers x 2
     assert steps.warmup_for(4) == 1  # no room for two warm-up steps and three timed ones
     assert steps.prefetch_depth(0, None) == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_whose_epoch_is_longer_than_its_timed_steps_ends_that_epoch_early(
+    workers: int,
+) -> None:
+    """The cut ends the epoch the way the loader ends any (its workers' prefetched batches
+    handed out first), the cell's own loop goes on to its next epoch, and the restart's
+    cost (here a 0.25 s worker start, or nothing in the main process) is timed apart from
+    the steady steps."""
+    from slow_data import SlowDataset, slow_worker_start
+
+    loader = DataLoader(
+        SlowDataset(60, delay_s=0.0),
+        batch_size=2,
+        num_workers=workers,
+        worker_init_fn=slow_worker_start if workers else None,
+    )
+    plan = steps.SamplePlan(
+        steps.StepSource("batch", "loader", loader.dataset),
+        warmup=4,
+        stop=14,
+        min_timed=3 + 4,
+        per_epoch=len(loader),
+        settle=4,
+    )
+    assert plan.epoch_end == 10  # 3+ timed steps before the restart, `settle` after it
+    counter = steps.StepCounter(plan.source, warmup=4, stop=14, epoch_end=plan.epoch_end)
+    seen: list[tuple[int, int]] = []
+    with counter.counting() as times, pytest.raises(steps.StepLimitReached):
+        for epoch in range(3):
+            for i, _ in enumerate(loader):
+                seen.append((epoch, i))
+    assert seen == [(0, i) for i in range(10)] + [(1, i) for i in range(4)]
+    assert (times.turn_count, times.turns, times.count) == (10, 1, 14)
+    restart = times.restart(plan.warmup)
+    assert restart is not None
+    if workers:
+        assert restart > 0.2  # the new workers' start
+        assert times.per_step(4, per_epoch=30) > restart / 30
+    else:
+        assert restart < 0.1
+    assert sum(1 for _ in loader) == 30  # the loader itself is left whole

@@ -198,6 +198,11 @@ class Sampling:
     steps_timed: int  # timed steps of every run
     probe_steps: int  # steps the instrumented probe ran before it stopped
     probe_complete: bool  # the probe ran the whole cell (then it was the cell's own run)
+    # a cell of several epochs: per-step times count each epoch restart the timed steps
+    # hold once per `steps_per_epoch`; where an epoch is longer than the timed steps, every
+    # run's first epoch was ended after `epoch_end_step` for them to hold one
+    steps_per_epoch: int | None = None
+    epoch_end_step: int | None = None
 
     @property
     def stop_step(self) -> int:

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -103,6 +103,7 @@ class _RunTime:
     step_s: float | None = None
     watched: Any = None  # what the run's `watched` context gave (a memory Profile, …)
     faults: int = 0  # minor page faults during the run
+    restart_s: float | None = None  # an epoch restart's cost, where the timed steps held one
 
 
 class Session:
@@ -574,8 +575,13 @@ class Session:
         namespace = self.workload.namespace
         source = fixes.combined_source(self.workload.source, config.fixes)
         counter = None
-        if stop is not None and self.plan is not None:
-            counter = steps.StepCounter(self.plan.source, warmup=self.plan.warmup, stop=stop)
+        plan = self.plan
+        timed_run = plan is not None and stop == plan.stop  # not a short profiled run
+        if stop is not None and plan is not None:
+            epoch_end = plan.epoch_end if timed_run else None
+            counter = steps.StepCounter(
+                plan.source, warmup=plan.warmup, stop=stop, epoch_end=epoch_end
+            )
         with (
             watched or nullcontext() as seen,
             fixes.applied(config.fixes, namespace),
@@ -593,14 +599,16 @@ class Session:
                 observe()
         if times is None or self.plan is None:
             return _RunTime(seconds, watched=seen, faults=faults)
-        step_s = times.per_step(self.plan.warmup)
+        per_epoch = self.plan.per_epoch if timed_run else None
+        step_s = times.per_step(self.plan.warmup, per_epoch)
         if not times.stopped and times.lead_s is not None and times.count > self.plan.warmup:
             step_s = (seconds - times.lead_s) / (times.count - self.plan.warmup)
             self._warn_once(
                 f"{config.label}: the run ended after {times.count} steps, before step {stop}; "
                 "its per-step time includes what runs after the last step"
             )
-        return _RunTime(seconds, times.lead_s, step_s, seen, faults)
+        restart_s = times.restart(self.plan.warmup) if per_epoch else None
+        return _RunTime(seconds, times.lead_s, step_s, seen, faults, restart_s)
 
     def _sample_plan(self, configs: list[_Config], budget_s: float) -> steps.SamplePlan | None:
         """Whether to stop every run at a step, and where first (the baseline's first run
@@ -624,8 +632,15 @@ class Session:
                 return None
         step_s = trace.mean_step_s() or obs.wall_s
         lead_s = (trace.first_s or step_s) + (warmup - 1) * step_s
+        per_epoch = steps.batches_per_epoch(trace)
+        settle = max(steps.MIN_TIMED_STEPS, depth)
+        if steps.has_epochs(per_epoch, total):  # room for an epoch restart in the timed steps
+            min_timed = steps.MIN_TIMED_STEPS + settle
+        else:
+            per_epoch = None
         stop = steps.choose_stop(budget_s, len(configs), lead_s, step_s, warmup, total, min_timed)
-        self.plan = steps.SamplePlan(steps.source_of(obs, trace), warmup, stop, min_timed)
+        source = steps.source_of(obs, trace)
+        self.plan = steps.SamplePlan(source, warmup, stop, min_timed, per_epoch, settle)
         return self.plan
 
     def _prefetch_depth(self) -> int:
@@ -651,7 +666,7 @@ class Session:
         stop = steps.choose_stop(
             left, configurations, first.lead_s, first.step_s, plan.warmup, total, plan.min_timed
         )
-        self.plan = steps.SamplePlan(plan.source, plan.warmup, stop, plan.min_timed)
+        self.plan = replace(plan, stop=stop)
 
     def _measure_configs(
         self, configs: list[_Config], budget: tuple[float, float]
@@ -896,15 +911,24 @@ class Session:
 
     def _set_projections(self, results: dict[str, Variant], firsts: dict[str, _RunTime]) -> None:
         """Sampled: the whole cell as one run of it would take (the first run's time to the
-        end of its warm-up steps, one-time costs included, then every later step)."""
+        end of its warm-up steps, one-time costs included, then every later step). Where
+        the per-step times count epoch restarts (one per epoch's batches), the first run's
+        own restart sets the count right: the steps after W hold every epoch's start but
+        the first, which is in the time to W."""
         total = self.step_count.total if self.step_count else None
-        if self.plan is None or total is None:
+        plan = self.plan
+        if plan is None or total is None:
             return
+        remaining = max(0, total - plan.warmup)
         for label, variant in results.items():
             first = firsts.get(label)
-            if first is not None and first.lead_s is not None and variant.median_s is not None:
-                remaining = max(0, total - self.plan.warmup)
-                variant.projected_cell_s = first.lead_s + remaining * variant.median_s
+            if first is None or first.lead_s is None or variant.median_s is None:
+                continue
+            projected = first.lead_s + remaining * variant.median_s
+            if plan.per_epoch and first.restart_s is not None:
+                due = max(0, math.ceil(total / plan.per_epoch) - 1)
+                projected += (due - remaining / plan.per_epoch) * first.restart_s
+            variant.projected_cell_s = projected
 
     def _flag_nondeterminism(
         self,
@@ -1085,6 +1109,8 @@ class Session:
             steps_timed=self.plan.timed,
             probe_steps=self.step_trace.count,
             probe_complete=not self._observed().stopped_early,
+            epoch_end_step=self.plan.epoch_end,
+            steps_per_epoch=self.plan.per_epoch,
         )
 
     def _observed(self) -> probe.Observation:

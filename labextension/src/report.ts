@@ -119,6 +119,8 @@ export interface ISampling {
   steps_timed: number;
   probe_steps: number;
   probe_complete: boolean;
+  epoch_end_step?: number | null;
+  steps_per_epoch?: number | null;
 }
 
 export interface ICellRun {

@@ -182,10 +182,17 @@ export function sampling(report: IReport): string {
   const detail = s.steps_detail ? ` (${s.steps_detail})` : '';
   const last = s.warmup_steps + s.steps_timed;
   const first = s.warmup_steps + 1;
+  const cut = s.epoch_end_step
+    ? ` (each run's first epoch ended after ${s.unit} ${s.epoch_end_step} to hold one)`
+    : '';
+  const restart = s.steps_per_epoch
+    ? `; an epoch restart in the timed ${plural(s.unit)} counts once per ` +
+      `${s.steps_per_epoch}${cut}`
+    : '';
   return (
     `sampled: every measuring run stopped after ${s.unit} ${last}${of}${detail}, ` +
-    `${plural(s.unit)} ${first}–${last} timed after ${s.warmup_steps} warm-up; ` +
-    `times are per ${s.unit}, the whole cell projected`
+    `${plural(s.unit)} ${first}–${last} timed after ${s.warmup_steps} warm-up` +
+    `${restart}; times are per ${s.unit}, the whole cell projected`
   );
 }
 

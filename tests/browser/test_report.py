@@ -280,6 +280,7 @@ report["phase"] = "measuring"
 report["sampling"] = {
     "unit": "batch", "steps_per_run": 96, "steps_detail": "8 epochs x 12 batches = 96 steps",
     "warmup_steps": 2, "steps_timed": 4, "probe_steps": 6, "probe_complete": False,
+    "steps_per_epoch": 12, "epoch_end_step": 4,
 }
 report["baseline"].update(runs=1, projected_cell_s=61.2, measured_at="2026-12-03T14:10:00+00:00")
 anomaly, pending = report["variants"][0], report["variants"][1]
@@ -327,7 +328,9 @@ def test_report_renders_long_cell_fields_and_every_measurement(
     expect(summary.locator("dd").nth(5)).to_have_text("61.2 s (projected)")
     expect(summary.locator("dd").nth(6)).to_have_text(
         "every measuring run stopped after batch 6 of 96 (8 epochs x 12 batches = 96 steps), "
-        "batches 3–6 timed after 2 warm-up; times are per batch, the whole cell projected"
+        "batches 3–6 timed after 2 warm-up; an epoch restart in the timed batches counts once "
+        "per 12 (each run's first epoch ended after batch 4 to hold one); times are per batch, "
+        "the whole cell projected"
     )
     expect(summary.locator("dd").nth(7)).to_have_text(
         "finishing the cell: its one complete run, with debug-anomaly…"

@@ -25,6 +25,14 @@ configurations C, i.e. the baseline plus the fix sets):
   least MIN_TIMED_STEPS (or the prefetch depth) are timed per run, even when that overruns
   the budget.
 
+- Epoch restarts: a cell of several epochs pays at each epoch's start what steps inside an
+  epoch do not (end-of-epoch code, a new iterator, workers starting or refilling). Where
+  one epoch is longer than the timed steps, every run's first epoch ends after step
+  W + max(MIN_TIMED_STEPS, timed - settle) (`SamplePlan.epoch_end`; settle = the prefetch
+  depth, at least MIN_TIMED_STEPS, so the refill is seen whole) and the timed steps then
+  count one restart per epoch's batches (`StepTimes.per_step`); such plans time at least
+  MIN_TIMED_STEPS + settle steps.
+
 The stop is a private BaseException raised from the counting hook at the step boundary, so
 user code that catches `Exception` does not swallow it; the runner catches it.
 """
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -96,22 +105,57 @@ class StepTimes:
     count: int = 0
     lead_s: float | None = None
     stop_s: float | None = None
+    # the first epoch end after step W: steps done then, and seconds from the run's start;
+    # `turns`: the epoch ends between step W and the stop
+    turn_count: int | None = None
+    turn_s: float | None = None
+    turns: int = 0
 
     @property
     def stopped(self) -> bool:
         return self.stop_s is not None
 
-    def per_step(self, warmup: int) -> float | None:
-        """Mean seconds per timed step (steps W+1 … K)."""
+    def per_step(self, warmup: int, per_epoch: int | None = None) -> float | None:
+        """Mean seconds per timed step (steps W+1 … K). With `per_epoch` (batches in one of
+        the complete run's epochs) and an epoch end inside the timed steps, the cell's mean
+        per step with each epoch's restart counted once per epoch (`restart`)."""
         if self.lead_s is None or self.stop_s is None or self.count <= warmup:
             return None
+        split = self._split(warmup) if per_epoch else None
+        if split is not None:
+            steady, restart = split
+            return steady + restart / per_epoch  # type: ignore[operator]
         return (self.stop_s - self.lead_s) / (self.count - warmup)
+
+    def restart(self, warmup: int) -> float | None:
+        """Seconds an epoch restart cost beyond a steady step, where the timed steps held
+        one or more: the steps before the first epoch end give the steady time per step;
+        what the steps after it took beyond that is the restarts' (the loop's end-of-epoch
+        code, a new iterator, workers refilling)."""
+        split = self._split(warmup)
+        return split[1] if split is not None else None
+
+    def _split(self, warmup: int) -> tuple[float, float] | None:
+        """(steady seconds per step, restart seconds), or None without an epoch end
+        between the warm-up and the stop."""
+        turn, turn_s, lead_s, stop_s = self.turn_count, self.turn_s, self.lead_s, self.stop_s
+        if turn is None or turn_s is None or lead_s is None or stop_s is None:
+            return None
+        if not warmup < turn < self.count:
+            return None
+        steady = (turn_s - lead_s) / (turn - warmup)
+        return steady, ((stop_s - turn_s) - (self.count - turn) * steady) / self.turns
 
 
 class StepCounter:
     """Counts one source's steps during a run: notes the time at the boundary after step
     `warmup`, raises StepLimitReached at the boundary after step `stop` (None: never), and
     calls `on_step(count)` after each step (progress of the cell's complete run).
+
+    With `epoch_end` (batch unit), the loader's epoch running at that step ends after it:
+    the iterator's sampler is cut there, so the loader ends the epoch as it ends any epoch
+    (prefetched batches handed out, workers idle), and the cell's own loop goes on to its
+    next epoch within the timed steps. Only the first such epoch of a run is cut.
 
     Boundaries: a batch's step ends when the next batch is asked for; an optimizer step's
     when `step()` returns; a forward's when the next top-level forward starts. The hooks
@@ -124,11 +168,13 @@ class StepCounter:
         *,
         warmup: int | None = None,
         stop: int | None = None,
+        epoch_end: int | None = None,
         on_step: Callable[[int], None] | None = None,
     ):
         self.source = source
         self.warmup = warmup
         self.stop = stop
+        self.epoch_end = epoch_end
         self.on_step = on_step
         self.times = StepTimes()
 
@@ -178,11 +224,41 @@ class StepCounter:
             if not self.source.matches(iterator):
                 return original(iterator)
             self._boundary()
-            batch = original(iterator)  # StopIteration ends an epoch: not a step
+            self._cut_epoch(iterator)
+            try:
+                batch = original(iterator)
+            except StopIteration:  # ends an epoch: not a step
+                self._epoch_ended()
+                raise
             self._stepped()
             return batch
 
         return counted_next
+
+    def _cut_epoch(self, iterator: Any) -> None:
+        """At an epoch's first batch, before `epoch_end`: let the epoch yield no batch past
+        step `epoch_end` (indices a worker loader already sent ahead still arrive)."""
+        times, end = self.times, self.epoch_end
+        if end is None or times.turn_s is not None or times.count >= end:
+            return
+        sampler_iter = getattr(iterator, "_sampler_iter", None)
+        if getattr(iterator, "_num_yielded", None) != 0 or sampler_iter is None:
+            return
+        if isinstance(sampler_iter, itertools.islice):  # cut already (an epoch's retry)
+            return
+        sent = getattr(iterator, "_send_idx", 0)  # a worker loader's prefetched indices
+        iterator._sampler_iter = itertools.islice(sampler_iter, max(0, end - times.count - sent))
+
+    def _epoch_ended(self) -> None:
+        """Note the first epoch end after the warm-up steps (see `StepTimes.per_step`)."""
+        times = self.times
+        if self.warmup is None or times.count <= self.warmup or times.stopped:
+            return
+        times.turns += 1
+        if times.turn_s is None:
+            synchronize()
+            times.turn_s = time.perf_counter() - times.started
+            times.turn_count = times.count
 
     def _after_optimizer_step(self, optimizer: Any, *_: Any) -> None:
         if self.source.matches(optimizer):
@@ -358,10 +434,39 @@ class SamplePlan:
     warmup: int
     stop: int
     min_timed: int = MIN_TIMED_STEPS
+    # a cell of several epochs, each longer than the timed steps (`restarts_epochs`): the
+    # batches in one of the complete run's epochs, and the timed steps to leave after the
+    # epoch end for a restart to be seen whole (a worker loader's prefetch depth, >= 3)
+    per_epoch: int | None = None
+    settle: int = MIN_TIMED_STEPS
 
     @property
     def timed(self) -> int:
         return self.stop - self.warmup
+
+    @property
+    def epoch_end(self) -> int | None:
+        """The step after which every run's epoch ends, so that timed steps fewer than an
+        epoch's still hold one epoch restart: MIN_TIMED_STEPS timed steps before it,
+        `settle` after it. None where no epochs restart, or the timed steps span an epoch
+        (they hold its natural end)."""
+        if self.per_epoch is None or self.timed > self.per_epoch:
+            return None
+        end = self.warmup + max(MIN_TIMED_STEPS, self.timed - self.settle)
+        return end if self.warmup < end < self.stop else None
+
+
+def batches_per_epoch(trace: StepTrace) -> int | None:
+    """Batches in one epoch of a batch-unit step source: as the probe saw an epoch end,
+    else the loader's length (None for other units, or an unsized loader)."""
+    if trace.unit != "batch":
+        return None
+    return trace.epoch_lengths[0] if trace.epoch_lengths else _sized_length(trace.obj)
+
+
+def has_epochs(per_epoch: int | None, total: int | None) -> bool:
+    """Whether a complete run restarts its loader: more batches than one epoch holds."""
+    return per_epoch is not None and total is not None and total > per_epoch
 
 
 def prefetch_depth(workers: int, prefetch_factor: int | None) -> int:

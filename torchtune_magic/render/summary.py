@@ -259,10 +259,21 @@ def sampling_line(report: Report) -> str:
     of = f" of {total}" if total else ""
     detail = f" ({sampled.steps_detail})" if sampled.steps_detail else ""
     first, last = sampled.warmup_steps + 1, sampled.stop_step
+    restart = ""
+    if sampled.steps_per_epoch:
+        cut = (
+            f" (each run's first epoch ended after {unit} {sampled.epoch_end_step} to hold one)"
+            if sampled.epoch_end_step
+            else ""
+        )
+        restart = (
+            f"; an epoch restart in the timed {plural(unit)} counts once per "
+            f"{sampled.steps_per_epoch}{cut}"
+        )
     return (
         f"sampled: every measuring run stopped after {unit} {last}{of}{detail}, "
-        f"{plural(unit)} {first}–{last} timed after {sampled.warmup_steps} warm-up; "
-        f"times are per {unit}, the whole cell projected"
+        f"{plural(unit)} {first}–{last} timed after {sampled.warmup_steps} warm-up"
+        f"{restart}; times are per {unit}, the whole cell projected"
     )
 
 
