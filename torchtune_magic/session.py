@@ -40,6 +40,7 @@ from .engine import (
     numerics,
     oom,
     probe,
+    stack_depth,
     state,
     steps,
     timing,
@@ -139,6 +140,9 @@ class Session:
         self._history: list[Variant] = []  # every finished measurement's variants, in order
         self._start_state: state.Snapshot | None = None
         self._start_switches = state.TorchSwitches.capture()  # taken again by the probe
+        # where a plain run of the cell would execute: timed runs of a cell whose cost
+        # depends on it execute there (`_one_run`)
+        self._plain_depth = stack_depth.plain_cell_depth()
         self._applied: dict[str, fixes.Fix] = {}
         self._flops: utilisation.FlopCount | None = None  # counted once: fixes keep the math
         self._flops_detail: str | None = None
@@ -566,7 +570,33 @@ class Session:
         """Run the cell once from the start state with the config's fixes applied; with
         `stop`, the run ends after that step (`observe` sees the state there). `watched`
         (peak memory, FLOPs) opens once the start state is back, so what the previous run
-        left and the restore frees is not counted against this run."""
+        left and the restore frees is not counted against this run.
+
+        A run whose time depends on the stack depth (anomaly detection on) and that no
+        `watched` context (a thread-local profiler) looks into executes the cell at the
+        plain cell's depth, in a fresh thread (`stack_depth`)."""
+        __tracebackhide__ = True
+        run = functools.partial(self._run_once, config, observe, stop, watched)
+        if watched is None and self._depth_matters():
+            modes = stack_depth.ThreadModes.capture()
+            if modes is not None:
+                return stack_depth.in_fresh_thread(functools.partial(run, self._plain_depth), modes)
+        return run(None)
+
+    def _depth_matters(self) -> bool:
+        """Whether the cell's cost follows its stack depth: anomaly detection stores the
+        Python stack with every autograd node the probe saw it create."""
+        obs = self.observation
+        return obs is not None and bool(obs.forward_with_anomaly or obs.backward_with_anomaly)
+
+    def _run_once(
+        self,
+        config: _Config,
+        observe: Callable[[], Any] | None,
+        stop: int | None,
+        watched: AbstractContextManager[Any] | None,
+        cell_depth: int | None,
+    ) -> _RunTime:
         __tracebackhide__ = True
         if self._start_state is not None:
             self._start_state.restore()
@@ -591,7 +621,7 @@ class Session:
         ):
             started, faults = time.perf_counter(), allocator.minor_faults()
             try:
-                seconds = self.workload.run(source)
+                seconds = self.workload.run(source, cell_depth)
             except steps.StepLimitReached:
                 seconds = time.perf_counter() - started
             faults = allocator.minor_faults() - faults

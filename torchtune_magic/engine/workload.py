@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import history
+from . import history, stack_depth
 from .fixes import Patcher
 
 _counter = itertools.count(1)
@@ -135,14 +135,19 @@ class Workload:
             self._compiled[source] = code
         return code
 
-    def run(self, source: str | None = None) -> float:
-        """Execute the cell once; seconds of wall time, device work included."""
+    def run(self, source: str | None = None, cell_depth: int | None = None) -> float:
+        """Execute the cell once; seconds of wall time, device work included. With
+        `cell_depth`, the cell's frame sits at that stack depth where this thread allows
+        (`stack_depth.call_at`)."""
         __tracebackhide__ = True
         code = self.code_for(source)
         synchronize()
         start = time.perf_counter()
         try:
-            exec(code, self.namespace)
+            if cell_depth is None:
+                exec(code, self.namespace)
+            else:
+                stack_depth.call_at(cell_depth, exec, code, self.namespace)
             synchronize()
         except Exception as error:
             raise CellError(error) from error
