@@ -1,9 +1,9 @@
-"""Anomaly cells are timed at the depth IPython runs the plain cell at.
+"""Anomaly cells are measured at the depth IPython runs the plain cell at.
 
 Anomaly detection stores the Python stack with every autograd node, so the same cell costs
 more the deeper it runs; perfcheck's own frames (magic, session, timing loop, fixes) would
 otherwise make its baseline slower than the user's plain run. Real IPython shell, real
-torch: the cell itself records the depth of its own frame and the thread it ran in.
+torch: the cell itself records the depth of its own frame, its thread and its greenlet.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any
 
+import greenlet
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from torchtune_magic.report import Report
 
 SETUP = """
 import sys, threading
+import greenlet
 import torch
 from torch import nn
 from torchtune_magic.engine.stack_depth import depth
@@ -34,7 +36,8 @@ seen = []
 """
 
 CELL = """
-seen.append((depth(sys._getframe()), threading.current_thread().name, torch.is_grad_enabled()))
+seen.append((depth(sys._getframe()), greenlet.getcurrent().parent is not None,
+             threading.current_thread().name, torch.is_grad_enabled()))
 with torch.autograd.detect_anomaly(){grad}:
     for _ in range(30):
         opt.zero_grad()
@@ -45,15 +48,18 @@ ANOMALY_CELL = CELL.format(grad="")
 PLAIN_CELL = CELL.replace("torch.autograd.detect_anomaly(){grad}", "torch.enable_grad()")
 
 
-def _seen(ip: Any) -> list[tuple[int, str, bool]]:
+Seen = tuple[int, bool, str, bool]  # depth, on a greenlet of perfcheck's, thread, grad mode
+
+
+def _seen(ip: Any) -> list[Seen]:
     return list(ip.user_ns["seen"])
 
 
-def test_timed_runs_of_an_anomaly_cell_run_at_the_plain_cells_depth(ip: Any) -> None:
+def test_measuring_runs_of_an_anomaly_cell_run_at_the_plain_cells_depth(ip: Any) -> None:
     ip.run_cell(SETUP)
     ip.run_cell(ANOMALY_CELL)
-    ((plain_depth, plain_thread, _),) = _seen(ip)
-    assert plain_thread == "MainThread"
+    ((plain_depth, plain_fresh, _, _),) = _seen(ip)
+    assert not plain_fresh
     ip.user_ns["seen"].clear()
 
     magic = "%%perfcheck --budget 2 -q -o --checks debug-anomaly"
@@ -61,22 +67,21 @@ def test_timed_runs_of_an_anomaly_cell_run_at_the_plain_cells_depth(ip: Any) -> 
 
     runs = _seen(ip)
     timed = report.baseline.runs + sum(v.runs or 0 for v in report.variants)
-    at_plain = [run for run in runs if run[0] == plain_depth]
-    assert len(at_plain) >= timed, runs
-    assert {thread for depth, thread, _ in at_plain} == {"perfcheck-timed-run"}
-    # the probe and the cell's own run stay in the kernel's thread, deeper than plain
-    assert runs[0][1] == "MainThread" and runs[0][0] > plain_depth
-    assert runs[-1][1] == "MainThread"
-    assert not [t for t in threading.enumerate() if t.name == "perfcheck-timed-run"]
+    assert report.cell_run.status == "probe"  # the probe ran it whole: the kernel's one run
+    probe, *measuring = runs
+    assert not probe[1] and probe[0] > plain_depth  # where perfcheck runs, deeper than plain
+    assert len(measuring) >= timed
+    assert all(fresh and depth == plain_depth for depth, fresh, _, _ in measuring), runs
+    assert {thread for _, _, thread, _ in runs} == {"MainThread"}  # the kernel's own thread
 
 
-def test_a_cell_without_anomaly_stays_in_the_kernels_thread(ip: Any) -> None:
+def test_a_cell_without_anomaly_stays_on_perfchecks_stack(ip: Any) -> None:
     ip.run_cell(SETUP)
     ip.run_cell("%%perfcheck --budget 1 -q" + PLAIN_CELL)
-    assert {thread for _, thread, _ in _seen(ip)} == {"MainThread"}
+    assert _seen(ip) and not any(fresh for _, fresh, _, _ in _seen(ip))
 
 
-def test_the_timed_thread_starts_in_the_kernels_grad_mode() -> None:
+def test_the_fresh_stack_keeps_the_threads_torch_modes() -> None:
     from workloads import namespace_with
 
     ns = namespace_with(SETUP)
@@ -86,9 +91,8 @@ def test_the_timed_thread_starts_in_the_kernels_grad_mode() -> None:
         perfcheck(cell, ns, budget=1, checks="debug-anomaly")
     finally:
         torch.set_grad_enabled(True)
-    threads = {(thread, grad) for _, thread, grad in ns["seen"]}
-    assert ("perfcheck-timed-run", False) in threads
-    assert ("perfcheck-timed-run", True) not in threads
+    modes = {(fresh, grad) for _, fresh, _, grad in ns["seen"]}
+    assert (True, False) in modes and (True, True) not in modes
 
 
 @pytest.fixture
@@ -99,7 +103,7 @@ def ctrl_c() -> Any:
     signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_during_a_timed_run_in_its_thread_stops_it_and_undoes_every_fix(
+def test_ctrl_c_during_a_run_on_the_fresh_stack_stops_it_and_undoes_every_fix(
     ctrl_c: None,
 ) -> None:
     from workloads import namespace_with
@@ -118,8 +122,8 @@ def test_ctrl_c_during_a_timed_run_in_its_thread_stops_it_and_undoes_every_fix(
     with pytest.raises(KeyboardInterrupt):
         perfcheck(ANOMALY_CELL, ns, budget=30, on_report=interrupt_once_measuring)
     assert reports[-1].phase == "interrupted"
-    assert any(thread == "perfcheck-timed-run" for _, thread, _ in ns["seen"])
-    assert not [t for t in threading.enumerate() if t.name == "perfcheck-timed-run"]
+    assert any(fresh for _, fresh, _, _ in ns["seen"])
+    assert greenlet.getcurrent().parent is None  # back on the caller's own stack
     assert torch.autograd.detect_anomaly is detect_anomaly and not torch.is_anomaly_enabled()
     # the kernel as after the cell's one run (the probe ran it whole)
     for mine, theirs in zip(ns["model"].parameters(), plain["model"].parameters(), strict=True):

@@ -572,15 +572,13 @@ class Session:
         (peak memory, FLOPs) opens once the start state is back, so what the previous run
         left and the restore frees is not counted against this run.
 
-        A run whose time depends on the stack depth (anomaly detection on) and that no
-        `watched` context (a thread-local profiler) looks into executes the cell at the
-        plain cell's depth, in a fresh thread (`stack_depth`)."""
+        A measuring run of a cell whose cost depends on the stack depth (anomaly detection
+        on) executes the cell at the plain cell's depth, on a stack of its own
+        (`stack_depth`)."""
         __tracebackhide__ = True
         run = functools.partial(self._run_once, config, observe, stop, watched)
-        if watched is None and self._depth_matters():
-            modes = stack_depth.ThreadModes.capture()
-            if modes is not None:
-                return stack_depth.in_fresh_thread(functools.partial(run, self._plain_depth), modes)
+        if self._depth_matters() and stack_depth.fresh_stack_available():
+            return stack_depth.on_fresh_stack(functools.partial(run, self._plain_depth))
         return run(None)
 
     def _depth_matters(self) -> bool:
