@@ -19,6 +19,13 @@ Per workload it writes the naive and expert schema-v1 reports, and a summary
 amp and tf32, utilisation (share of the device's peak) naive / fixed / expert, and what each
 check found.
 
+Then (CUDA only) `out_of_memory`: a training step of a deep stack of wide blocks whose
+activations (~12 GiB) do not fit a 6 GiB cap (`torch.cuda.set_per_process_memory_fraction`);
+the report must name the OOM and show which memory fixes (activation checkpointing, amp) make
+the step fit and at what peak (`out_of_memory.json`; target: checkpointing fits under the
+cap). On a CPU the same engine path is tested by tests/test_out_of_memory_fits.py, which caps
+the address space instead.
+
 On the device machine (the device tool copies the repo; this runs from its root):
 
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT && \
@@ -301,6 +308,73 @@ def run_workload(work: Workload, sizes: Sizes, out: Path) -> Row:
     return row
 
 
+OOM_SETUP = """
+class Wide(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return x + self.act(self.norm(self.proj(x))) * torch.sigmoid(x)
+
+class Stack(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.blocks = nn.ModuleList(Wide(width) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+model = Stack(2048, 24).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(16384, 2048, device=device)
+"""
+OOM_CELL = "loss = model(x).square().mean()\nloss.backward()\nopt.step()\nopt.zero_grad()\n"
+OOM_CAP_BYTES = 6 * 2**30
+
+
+def run_out_of_memory(out: Path) -> dict[str, Any]:
+    """The OOM report of a step that needs ~12 GiB for activations under a 6 GiB cap."""
+    from torchtune_magic.engine.workload import CellError
+
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA (tests/test_out_of_memory_fits.py covers the CPU)"}
+    print("== out_of_memory", flush=True)
+    ns = namespace(OOM_SETUP)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(OOM_CAP_BYTES / total)
+    reports: list[Report] = []
+    try:
+        perfcheck(OOM_CELL, ns, budget=20, on_report=reports.append)
+        raised = None
+    except CellError as error:
+        raised = f"{type(error.original).__name__}: {str(error.original).splitlines()[0]}"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        del ns
+        torch.cuda.empty_cache()
+    report = reports[-1]
+    report.write_json(out / "out_of_memory.json")
+    tried = {
+        "+".join(v.fixes): {"fits": v.fits, "peak_bytes": v.peak_memory_bytes, "error": v.error}
+        for v in report.latest_variants()
+    }
+    fits = tried.get("activation-checkpointing", {})
+    return {
+        "raised": raised,
+        "cap_bytes": OOM_CAP_BYTES,
+        "oom": asdict(report.oom) if report.oom else None,
+        "tried": tried,
+        "target_met": bool(
+            raised and fits.get("fits") and (fits.get("peak_bytes") or 0) < OOM_CAP_BYTES
+        ),
+    }
+
+
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
@@ -334,6 +408,22 @@ def markdown(rows: list[Row], env: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _oom_markdown(result: dict[str, Any]) -> str:
+    if "skipped" in result:
+        return f"\n- **out_of_memory**: skipped, {result['skipped']}\n"
+    tried = "; ".join(
+        f"{fix}: {'fits' if r['fits'] else 'does not fit'}"
+        + (f", {r['peak_bytes'] / 2**30:.2f} GiB peak" if r["fits"] and r["peak_bytes"] else "")
+        for fix, r in result["tried"].items()
+    )
+    met = "met" if result["target_met"] else "MISSED"
+    return (
+        f"\n- **out_of_memory** (cap {result['cap_bytes'] / 2**30:.0f} GiB): "
+        f"raised {result['raised'] or 'nothing'}; {tried or 'no memory fix tried'}; "
+        f"target (checkpointing fits) {met}\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -358,9 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke,
         "elapsed_s": round(time.perf_counter() - started, 1),
         "workloads": [asdict(r) for r in rows],
+        "out_of_memory": run_out_of_memory(args.out),
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    text = markdown(rows, env)
+    text = markdown(rows, env) + _oom_markdown(summary["out_of_memory"])
     (args.out / "summary.md").write_text(text)
     print(text)
     return 0

@@ -31,3 +31,6 @@ def test_smoke_run_writes_reports_and_summary(tmp_path):
     assert row["name"] == "cnn" and row["naive_s"] and row["expert_s"]
     assert set(row["targets"]) == {"speedup", "vs_expert"}
     assert "| cnn |" in (tmp_path / "summary.md").read_text()
+    # the out-of-memory part needs CUDA; on a CPU it says so (the CPU path: its own test)
+    assert "needs CUDA" in summary["out_of_memory"]["skipped"]
+    assert "out_of_memory**: skipped" in (tmp_path / "summary.md").read_text()

@@ -54,16 +54,22 @@ def test_a_cell_that_runs_out_of_memory_gets_a_report_and_its_traceback() -> Non
         perfcheck(OOM_CELL, ns, budget=3, on_report=reports.append)
     assert "can't allocate memory" in str(raised.value.original)  # the user's own error
 
-    [report] = reports
+    report = reports[-1]
+    assert reports[0].phase == "measuring" and report.phase == "done"
     oom = report.oom
     assert oom is not None and "can't allocate memory" in oom.error
     assert oom.line == 3 and oom.requested_bytes == HUGE
     assert oom.in_use_bytes and oom.in_use_bytes > 2**20 and "RSS" in oom.in_use_measure
-    assert not report.variants and report.cell_run.status == "failed"
-    # memory is the constraint now: the repeated blocks' fix is offered
+    assert report.cell_run.status == "failed"
+    # memory is the constraint now: the repeated blocks' fix is offered, and tried: no
+    # checkpointing makes a 4 TiB buffer fit
     assert "activation-checkpointing" in {f.id for f in report.findings}
+    [tried] = report.variants
+    assert tried.fixes == ["activation-checkpointing"] and tried.fits is False
+    assert tried.error.startswith("still out of memory with this fix")
     shown = text.render(report)
     assert "ran out of memory at cell line 3, asking for 4.0 TiB" in shown
+    assert "with each memory fix tried it ran out of memory again" in shown
     assert "loss" in ns  # as the plain cell would: it ran up to the failing line
 
 

@@ -29,6 +29,7 @@ OPTIONAL_MEASUREMENT_FIELDS = (
     "baseline_median_s",
     "one_time_cause",
     "judged_by",
+    "fits",
 )
 THROUGHPUT_FIELDS = (
     "flops",
@@ -147,6 +148,9 @@ class Variant:
     one_time_cause: str | None = None  # what the one-time cost pays for, e.g. "compile"
     break_even_runs: int | None = None
     judged_by: str | None = None  # "memory": a memory fix under --memory (peak, then time)
+    # after the cell ran out of memory: whether it ran past the failing step with this fix
+    # (its one run's time and peak memory are then this variant's numbers)
+    fits: bool | None = None
     noisy: bool = False
     error: str | None = None
     flops: int | None = None  # the baseline's: the fixes keep the model's math

@@ -164,16 +164,13 @@ class Session:
         self.detect()
         if self._out_of_memory is not None:  # a report on what happened, then the traceback
             self.cell_run = CellRun("failed", detail=self.oom.error if self.oom else None)
+            with self._interrupt_said():
+                self._measure_fits()
             self.publish(self._build_report(phase="done"))
             raise self._out_of_memory
         self.publish(self._build_report(phase="measuring"))
-        try:
+        with self._interrupt_said():
             report = self.measure()
-        except KeyboardInterrupt:
-            if self.report is not None:
-                self.report.phase = "interrupted"
-                self.publish(self.report)
-            raise
         if not self.options.finish:  # before --apply: its fixes then stay on that state
             self._back_to_start()
         for check_id in self._requested_fixes(report):
@@ -183,6 +180,17 @@ class Session:
                 self.warnings.append(f"--apply {check_id}: not applied: {error.reason}")
         self.finish()
         return self.report or report
+
+    @contextmanager
+    def _interrupt_said(self) -> Iterator[None]:
+        """Ctrl-C while measuring: the report out so far says it was interrupted."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self.report is not None:
+                self.report.phase = "interrupted"
+                self.publish(self.report)
+            raise
 
     def probe(self) -> probe.Observation:
         """The instrumented run. A long cell's probe stops at a step boundary after a share of
@@ -218,9 +226,18 @@ class Session:
                 raise failed
             # out of memory: findings from what the probe saw, memory fixes first
             self.observation, self._out_of_memory = failed.observation, failed
+            if self.options.device is None and (
+                _uses_cuda(self.observation)
+                or (
+                    isinstance(failed.original, torch.OutOfMemoryError)
+                    and torch.cuda.is_available()
+                )
+            ):
+                device = self.observation.device = "cuda"
             self.oom = oom.describe(failed.original, self.workload, device)
-            self.observation.memory_asked = True
+            self.observation.memory_asked = self.observation.out_of_memory = True
             self._kernel = PART_RUN
+            self.step_trace = self.observation.leading_step()
             return self.observation
         obs = self.observation
         if obs.stopped_early:
@@ -497,6 +514,65 @@ class Session:
         self.publish(self._build_report(baseline, budget=budget, phase=phase))
         return self.report  # type: ignore[return-value]  # set by publish
 
+    def _measure_fits(self) -> None:
+        """After the cell ran out of memory: one run with each memory fix, from the state
+        before the cell to one step past the step that failed (the whole cell where it has
+        no steps), says whether the fix makes the cell fit, with that run's peak memory and
+        time. The kernel then goes back to what the failed run left, as the plain cell
+        leaves it."""
+        obs = self._observed()
+        tried = [d for d in self.fixable if obs.device in d.fix.cuts_memory_on]
+        if not tried:
+            return
+        if self._start_state is None:
+            self.warnings.append(
+                "the memory fixes were not run: without a snapshot of the state before the "
+                "cell, a run with them would not start where the failed run started"
+            )
+            return
+        failed = self._out_of_memory.original if self._out_of_memory is not None else None
+        if failed is not None and oom.release_failed_run(failed, self.workload):
+            self.warnings.append(
+                "to run the memory fixes, the tensors the failed run still held (the locals "
+                "of the frames in its traceback, below the cell) were freed; the traceback "
+                "still shows where it failed"
+            )
+        namespace = self.workload.namespace
+        try:
+            left_by_failure = state.take(namespace, discovery.walk(namespace))
+        except (MemoryError, OSError) as error:  # our snapshot did not fit either
+            self.warnings.append(
+                f"the memory fixes were not run: no memory for a snapshot ({error})"
+            )
+            return
+        self.publish(self._build_report(phase="measuring"))
+        stop = self.step_trace.count + 1 if self.step_trace is not None else None
+        # the probe's op stream is missing after a failure; a profiler of the user's own is not
+        mine = obs.profiler_entries or obs.profiler_at_start
+        watch = memory.tracked if mine else memory.profiled
+        try:
+            for detection in tried:
+                config = _Config(detection.finding.id, [detection.fix])
+                variant = Variant(fixes=config.ids)
+                self._report_progress(0.0, f"does it fit with {config.label}?")
+                try:
+                    run = self._one_run(config, stop=stop, watched=watch(obs.device))
+                except CellError as error:
+                    variant.fits = False if oom.is_out_of_memory(error.original) else None
+                    cause = "still out of memory" if variant.fits is False else "the cell raised"
+                    variant.error = f"{cause} with this fix: {_error_text(error.original)}"
+                except fixes.FixError as error:
+                    variant.error = f"the fix could not be applied: {error.reason}"
+                else:
+                    peak = run.watched.peak if run.watched is not None else None
+                    variant.fits, variant.median_s, variant.runs = True, run.total_s, 1
+                    variant.peak_memory_bytes = peak.bytes if peak is not None else None
+                variant.measured_at = _now()
+                self._history.append(variant)
+                self.publish(self._build_report(phase="measuring"))
+        finally:
+            left_by_failure.restore()
+
     def publish(self, report: Report) -> None:
         """Hand a report to the front end and keep it as the current one; a final one (done
         or interrupted) also goes to `--json`."""
@@ -609,6 +685,10 @@ class Session:
             epoch_end = plan.epoch_end if timed_run else None
             counter = steps.StepCounter(
                 plan.source, warmup=plan.warmup, stop=stop, epoch_end=epoch_end
+            )
+        elif stop is not None and self.step_trace is not None:  # a run to a step, untimed
+            counter = steps.StepCounter(
+                steps.source_of(self._observed(), self.step_trace), stop=stop
             )
         with (
             watched or nullcontext() as seen,

@@ -101,6 +101,8 @@ export interface IVariant extends IStats {
   break_even_runs?: number | null;
   /** "memory": a memory fix under --memory, judged by its peak memory first. */
   judged_by?: 'memory' | null;
+  /** After an out-of-memory cell: whether one run with this memory fix got past the failure. */
+  fits?: boolean | null;
   /** The baseline median this speedup was measured against. */
   baseline_median_s?: number | null;
   error: string | null;

@@ -9,11 +9,13 @@ import {
   IVariant,
   NO_CHANGE_BAND,
   isMeasuring,
+  latestVariants,
   isWin
 } from './report';
 
 export const MEASURING = 'measuring…';
 export const SLOWER = 'measured slower here — not recommended';
+export const FITS = 'fits with this fix: it ran past where the cell ran out of memory';
 
 /** Good, bad or neither: the colour a figure is shown in. */
 export type Tone = 'good' | 'bad' | 'neutral' | 'pending';
@@ -72,6 +74,9 @@ function memoryFirst(report: IReport, variant: IVariant): string {
  * `1.01× — no measurable change`, `failed: …`, `measuring…` or `not measured`.
  */
 export function speedup(report: IReport, variant: IVariant | undefined): IWorded {
+  if (variant?.fits) {
+    return { text: FITS, tone: 'good' };
+  }
   if (variant === undefined || (variant.speedup === null && variant.error === null)) {
     return isMeasuring(report)
       ? { text: MEASURING, tone: 'pending' }
@@ -256,7 +261,21 @@ export function oom(report: IReport): string {
   const asked = o.requested_bytes ? `, asking for ${formatBytes(o.requested_bytes)}` : '';
   const inUse = o.in_use_bytes ? ` with ${formatBytes(o.in_use_bytes)} in use (${o.in_use_measure})` : '';
   return (
-    `the cell ran out of memory${where}${asked}${inUse}: ${o.error}. Nothing was timed; ` +
-    'the findings below come from the run up to the failure, memory fixes first'
+    `the cell ran out of memory${where}${asked}${inUse}: ${o.error.replace(/\.+$/, '')}. Nothing was timed ` +
+    'against a baseline; the findings below come from the run up to the failure, memory ' +
+    `fixes first${fitOutcome(report)}`
   );
+}
+
+/** What the runs with memory fixes showed after an out-of-memory probe (summary._fit_outcome). */
+function fitOutcome(report: IReport): string {
+  const tried = latestVariants(report).filter(v => v.fits !== null && v.fits !== undefined);
+  const fitting = tried.filter(v => v.fits);
+  if (fitting.length > 0) {
+    const runs = fitting.map(
+      v => v.fixes.join(' + ') + (v.peak_memory_bytes ? ` (${formatBytes(v.peak_memory_bytes)} peak)` : '')
+    );
+    return `; it fits with ${runs.join(', or with ')}`;
+  }
+  return tried.length > 0 ? '; with each memory fix tried it ran out of memory again' : '';
 }

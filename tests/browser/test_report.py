@@ -358,3 +358,54 @@ def test_report_renders_long_cell_fields_and_every_measurement(
         "the cell's complete run: 12.0 s, 1 batch"
     )
     lab.screenshot("long-cell", of=lab.cell(0))
+
+
+OUT_OF_MEMORY = """\
+report["baseline"].update(median_s=None, iqr_s=None, runs=0, peak_memory_bytes=None)
+report["findings"][0].update(id="activation-checkpointing", title="Repeated blocks keep all "
+                             "their activations for backward", evidence="out of memory")
+report["findings"][1].update(id="amp")
+report["oom"] = {
+    "error": "OutOfMemoryError: CUDA out of memory.", "line": 3,
+    "requested_bytes": 2 * 2**30, "in_use_bytes": 78 * 2**30,
+    "in_use_measure": "CUDA tensor memory allocated when the allocation failed",
+}
+measured = {"median_s": None, "iqr_s": None, "speedup": None, "noisy": False,
+            "numerics": {"verdict": "not-compared", "max_rel_diff": None},
+            "one_time_s": None, "break_even_runs": None}
+report["variants"] = [
+    dict(measured, fixes=["activation-checkpointing"], fits=True, median_s=0.84, runs=1,
+         peak_memory_bytes=310 * 2**20, error=None),
+    dict(measured, fixes=["amp"], fits=False, runs=0, peak_memory_bytes=None,
+         error="still out of memory with this fix: OutOfMemoryError: CUDA out of memory."),
+]
+report["cell_run"] = {"status": "failed", "detail": "OutOfMemoryError: CUDA out of memory."}
+"""
+
+
+def test_an_out_of_memory_report_says_which_memory_fix_makes_it_fit(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    notebook = jupyter_lab.write_notebook(
+        "oom.ipynb", [display_report("oom-1", edit=OUT_OF_MEMORY)]
+    )
+    lab.open_notebook(notebook)
+    report = lab.run_cell(0, SAVED_REPORT)
+    expect(report.locator(".ttm-status")).to_have_text(
+        "the cell ran out of memory at cell line 3, asking for 2.0 GiB with 78.0 GiB in use "
+        "(CUDA tensor memory allocated when the allocation failed): OutOfMemoryError: CUDA out "
+        "of memory. Nothing was timed against a baseline; the findings below come from the run "
+        "up to the failure, memory fixes first; it fits with activation-checkpointing "
+        "(310.0 MiB peak)"
+    )
+    fits = report.locator("tr[data-finding='activation-checkpointing']")
+    expect(fits.locator(".ttm-speedup-text")).to_have_text(
+        "fits with this fix: it ran past where the cell ran out of memory"
+    )
+    expect(fits.locator(".ttm-speedup-text")).to_have_class(re.compile("ttm-tone-good"))
+    expect(fits.locator(".ttm-memory")).to_have_text("310.0 MiB peak")
+    again = report.locator("tr[data-finding='amp'] .ttm-speedup-text")
+    expect(again).to_have_text(
+        "failed: still out of memory with this fix: OutOfMemoryError: CUDA out of memory."
+    )
+    lab.screenshot("out-of-memory", of=lab.cell(0))

@@ -58,7 +58,10 @@ class NoGradCheck(Check):
         return self._inference_cell(obs)
 
     def _inference_cell(self, obs: Observation) -> list[Detection]:
-        """No backward at all: the whole cell runs under no_grad."""
+        """No backward at all: the whole cell runs under no_grad. A run cut short by running
+        out of memory is no evidence of that where the cell calls backward further on."""
+        if obs.out_of_memory and _calls_backward(obs.workload.tree):
+            return []
         recording = [
             use
             for use in obs.modules.values()
@@ -539,3 +542,13 @@ class ZeroGradNoneCheck(Check):
         if isinstance(owner, torch.nn.Module):
             return obs.module_path(owner)
         return type(owner).__name__
+
+
+def _calls_backward(tree: ast.AST) -> bool:
+    """Whether the cell's own code calls `.backward(...)` or `torch.autograd.backward(...)`."""
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "backward"
+        for node in ast.walk(tree)
+    )

@@ -48,6 +48,7 @@ class CheckpointFix(Fix):
 
     check_id = "activation-checkpointing"
     saves_memory = True
+    cuts_memory_on = frozenset({"cpu", "cuda"})
 
     def __init__(self, blocks: dict[str, torch.nn.Module]):
         super().__init__()
@@ -117,8 +118,8 @@ class ActivationCheckpointingCheck(Check):
     guide = "Use activation checkpointing"
 
     def detect(self, obs: Observation) -> list[Detection]:
-        if not obs.backward_calls:
-            return []  # activations are only kept for a backward pass
+        if not obs.backward_calls and not obs.out_of_memory:
+            return []  # activations are only kept for a backward pass (one it did not reach)
         peak = obs.peak_memory.bytes if obs.peak_memory else None
         device_bytes, device_label = _device_memory(obs)
         share = peak / device_bytes if peak and device_bytes else None
@@ -134,6 +135,8 @@ class ActivationCheckpointingCheck(Check):
             for container, group in found
         )
         why = "--memory asked" if obs.memory_asked else "memory-bound"
+        if obs.out_of_memory:
+            why = "out of memory"
         evidence = f"{why}; repeated blocks ran with autograd recording ({groups})"
         if peak is not None:
             evidence += f"; peak memory {_mib(peak)}"

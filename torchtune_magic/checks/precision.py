@@ -160,6 +160,7 @@ class AmpFix(Fix):
 
     check_id = "amp"
     tolerance = AMP_TOLERANCE
+    cuts_memory_on = frozenset({"cuda"})  # activations kept in half precision
 
     def __init__(self, device_type: str, dtype: torch.dtype, scaled: bool):
         super().__init__()

@@ -204,6 +204,9 @@ class Fix:
     # A memory fix (activation checkpointing): under --memory it is judged by its peak
     # memory first and its time second, never called "slower, not recommended".
     saves_memory: ClassVar[bool] = False
+    # Devices on which the fix cuts peak memory: after the cell runs out of memory there,
+    # a run with the fix shows whether it makes the cell fit.
+    cuts_memory_on: ClassVar[frozenset[str]] = frozenset()
     # Sets the C allocator's thresholds for the process (cpu-allocator): after its undo
     # glibc no longer moves them by itself, so runs after it are served under another
     # allocator state than runs before it.

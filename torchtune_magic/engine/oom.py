@@ -3,8 +3,11 @@ how much memory was in use, so the report can say what makes the cell fit."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
+import types
 
 import torch
 
@@ -38,6 +41,50 @@ def describe(error: BaseException, workload: Workload, device: str) -> OutOfMemo
         in_use_bytes=_in_use(device),
         in_use_measure=CUDA_MEASURE if device == "cuda" else RSS_MEASURE,
     )
+
+
+def release_failed_run(error: BaseException, workload: Workload) -> int:
+    """Free what the failed run still holds: its traceback keeps every frame it went
+    through, and their locals keep the activations that did not fit (a plain kernel keeps
+    them too, until the traceback is dropped), so nothing else would fit in their place.
+    The locals of the frames below the cell's own are cleared, and so is the per-call
+    closure of `Module._call_impl` (torch makes one on every module call while global
+    module hooks, such as the probe's, are registered; it holds the call's inputs and
+    output). The traceback still shows every line. Returns how many frames were cleared."""
+    names = {workload.filename, workload.fixed_filename}
+    cleared = 0
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename not in names:
+            _clear_module_call_closure(frame)
+            try:
+                frame.clear()
+                cleared += 1
+            except RuntimeError:  # still executing (ours, up the stack): keep it
+                pass
+        tb = tb.tb_next
+    gc.collect()
+    return cleared
+
+
+def _module_call_inner() -> types.CodeType | None:
+    """The code of the closure `Module._call_impl` defines per call (`inner`)."""
+    consts = torch.nn.Module._call_impl.__code__.co_consts
+    return next((c for c in consts if isinstance(c, types.CodeType) and c.co_name == "inner"), None)
+
+
+def _clear_module_call_closure(frame: types.FrameType) -> None:
+    """Empty the cells of a finished `_call_impl` call's `inner` closure run by `frame` (a
+    frame holds its function; only that dead per-call closure is touched)."""
+    inner = _module_call_inner()
+    if inner is None or frame.f_code is not inner:
+        return
+    for func in gc.get_referents(frame):
+        if isinstance(func, types.FunctionType) and func.__code__ is inner:
+            for cell in func.__closure__ or ():
+                with contextlib.suppress(ValueError):  # already empty
+                    del cell.cell_contents
 
 
 def _cell_line(error: BaseException, workload: Workload) -> int | None:

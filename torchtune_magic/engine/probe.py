@@ -171,6 +171,7 @@ class Observation:
     op_totals: dict[str, tuple[int, float]] = field(default_factory=dict)  # name: (count, µs)
     scopes: list[Scope] = field(default_factory=list)  # recorded only when ops are
     memory_asked: bool = False  # the user asked about memory (--memory)
+    out_of_memory: bool = False  # the cell ran out of memory in this run
     peak_memory: memory.Peak | None = None
     found: dict[int, discovery.Found] = field(default_factory=dict)
     preexisting: set[int] = field(default_factory=set)  # ids in `found` before the cell ran

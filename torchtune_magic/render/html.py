@@ -51,6 +51,8 @@ def _badge(text: str, tone: str = "neutral", title: str = "") -> str:
 
 
 def _tone(report: Report, variant: Variant | None) -> str:
+    if variant is not None and variant.fits:
+        return "good"
     if variant is None or (variant.speedup is None and not variant.error):
         return "pending"
     if variant.error or variant.is_slower:

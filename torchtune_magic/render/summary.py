@@ -7,6 +7,7 @@ from datetime import datetime
 from ..report import NO_CHANGE_BAND, Finding, Report, Stats, Variant
 
 SLOWER = "measured slower here — not recommended"
+FITS = "fits with this fix: it ran past where the cell ran out of memory"
 MEASURING = "measuring…"
 NO_GAIN = "checked: no gain here"
 MEMORY_SAME = 0.01  # peak memory moved by less than this share reads "same memory"
@@ -109,6 +110,8 @@ def per_step(report: Report) -> str:
 def speedup(report: Report, variant: Variant | None) -> str:
     """`1.54x`, `0.87x — measured slower here — not recommended`, `measuring…`, or why not
     measured; sampled runs add the whole cell, projected."""
+    if variant is not None and variant.fits:
+        return FITS
     if variant is None or (variant.speedup is None and not variant.error):
         return MEASURING if report.measuring else "not measured"
     if variant.error:
@@ -288,9 +291,25 @@ def oom_line(report: Report) -> str:
         f" with {size(oom.in_use_bytes)} in use ({oom.in_use_measure})" if oom.in_use_bytes else ""
     )
     return (
-        f"the cell ran out of memory{where}{asked}{in_use}: {oom.error}. Nothing was timed; "
-        "the findings below come from the run up to the failure, memory fixes first"
+        f"the cell ran out of memory{where}{asked}{in_use}: {oom.error.rstrip('.')}. "
+        "Nothing was timed "
+        "against a baseline; the findings below come from the run up to the failure, memory "
+        f"fixes first{_fit_outcome(report)}"
     )
+
+
+def _fit_outcome(report: Report) -> str:
+    """What the runs with memory fixes showed after an out-of-memory probe, or ''."""
+    tried = [v for v in report.latest_variants() if v.fits is not None]
+    fitting = [v for v in tried if v.fits]
+    if fitting:
+        runs = [
+            " + ".join(v.fixes)
+            + (f" ({size(v.peak_memory_bytes)} peak)" if v.peak_memory_bytes else "")
+            for v in fitting
+        ]
+        return f"; it fits with {', or with '.join(runs)}"
+    return "; with each memory fix tried it ran out of memory again" if tried else ""
 
 
 def cell_run_line(report: Report) -> str:
