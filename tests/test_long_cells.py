@@ -171,7 +171,9 @@ def test_epoch_restarts_are_timed_and_count_in_the_projection() -> None:
     assert complete is not None and complete.status == "complete" and complete.steps == 240
     projected = report.baseline.projected_cell_s
     assert projected is not None
-    assert 0.7 < projected / complete.seconds < 1.5, (projected, complete.seconds)
+    # restarts left out would read ~0.35; each run times one restart, a single event that
+    # a busy machine can make twice as long (CI: 8.1 s projected for a 4.9 s run)
+    assert 0.7 < projected / complete.seconds < 2.0, (projected, complete.seconds)
     assert "an epoch restart in the timed batches counts once per 40" in summary.sampling_line(
         report
     )

@@ -836,7 +836,7 @@ class Session:
         outputs: dict[str, numerics.Outputs] = {}
         results: dict[str, Variant] = {c.label: Variant(fixes=c.ids) for c in configs}
         firsts: dict[str, _RunTime] = {}
-        leads: dict[str, list[float]] = {c.label: [] for c in configs}
+        later: dict[str, list[_RunTime]] = {c.label: [] for c in configs}  # after the first
         watched = self._watched_outputs()
         if not self._plan_calibrated:
             firsts[BASELINE] = self._one_run(configs[0], stop=self._stop())
@@ -853,8 +853,8 @@ class Session:
                 baseline_runs.append(run)
             if config.label not in firsts:
                 firsts[config.label] = run
-            elif run.lead_s is not None:
-                leads[config.label].append(run.lead_s)
+            else:
+                later[config.label].append(run)
             return run.step_s if run.step_s is not None else run.total_s
 
         baseline_runs: list[_RunTime] = []
@@ -887,7 +887,7 @@ class Session:
             results[config.label].peak_memory_bytes = self._checked_run(config, outputs, watched)
         self._count_flops(configs[0])
         self._note_allocator_drift(configs, baseline_runs)
-        return self._conclude(configs, results, firsts, timed, leads, outputs, watched)
+        return self._conclude(configs, results, firsts, timed, later, outputs, watched)
 
     def _note_allocator_drift(self, configs: list[_Config], runs: list[_RunTime]) -> None:
         """Say so when glibc's allocator changed state under the measurement: the baseline's
@@ -949,15 +949,15 @@ class Session:
         results: dict[str, Variant],
         firsts: dict[str, _RunTime],
         timed: dict[str, timing.Measurement],
-        leads: dict[str, list[float]],
+        later: dict[str, list[_RunTime]],
         outputs: dict[str, numerics.Outputs],
         watched: tuple[set[str], dict],
     ) -> tuple[list[Variant], Variant]:
         """Statistics, one-time costs, projections, speedups, throughput and numerics."""
         for label, measurement in timed.items():
             _fill(results[label], measurement)
-        self._set_one_time_costs(configs, results, firsts, timed, leads)
-        self._set_projections(results, firsts)
+        self._set_one_time_costs(configs, results, firsts, timed, later)
+        self._set_projections(results, firsts, later)
         base = results[BASELINE]
         self._add_throughput(configs, results)
         for config in configs[1:]:
@@ -986,7 +986,7 @@ class Session:
         results: dict[str, Variant],
         firsts: dict[str, _RunTime],
         timed: dict[str, timing.Measurement],
-        leads: dict[str, list[float]],
+        later: dict[str, list[_RunTime]],
     ) -> None:
         """First-run cost of fixes that can have one, beyond the baseline's own first run
         (sampled: the first run's time to the end of its warm-up steps against the steady
@@ -998,8 +998,9 @@ class Session:
             first = firsts.get(label)
             if first is None or label not in timed:
                 return None
-            if self.plan is not None and first.lead_s is not None and leads.get(label):
-                return timing.one_time_cost(first.lead_s, statistics.median(leads[label]))
+            leads = [run.lead_s for run in later.get(label, []) if run.lead_s is not None]
+            if self.plan is not None and first.lead_s is not None and leads:
+                return timing.one_time_cost(first.lead_s, statistics.median(leads))
             return timing.one_time_cost(first.total_s, timed[label].median)
 
         base_extra = extra(BASELINE) or 0.0
@@ -1017,12 +1018,18 @@ class Session:
                 variant = results[config.label]
                 variant.one_time_s, variant.one_time_cause = cost, ", ".join(causes)
 
-    def _set_projections(self, results: dict[str, Variant], firsts: dict[str, _RunTime]) -> None:
+    def _set_projections(
+        self,
+        results: dict[str, Variant],
+        firsts: dict[str, _RunTime],
+        later: dict[str, list[_RunTime]],
+    ) -> None:
         """Sampled: the whole cell as one run of it would take (the first run's time to the
         end of its warm-up steps, one-time costs included, then every later step). Where
-        the per-step times count epoch restarts (one per epoch's batches), the first run's
-        own restart sets the count right: the steps after W hold every epoch's start but
-        the first, which is in the time to W."""
+        the per-step times count epoch restarts (one per epoch's batches), a restart's
+        median over the runs sets the count right: the steps after W hold every epoch's
+        start but the first, which is in the time to W. (Each run times one restart, a
+        single event: on a busy machine one worker start can take twice another.)"""
         total = self.step_count.total if self.step_count else None
         plan = self.plan
         if plan is None or total is None:
@@ -1033,9 +1040,11 @@ class Session:
             if first is None or first.lead_s is None or variant.median_s is None:
                 continue
             projected = first.lead_s + remaining * variant.median_s
-            if plan.per_epoch and first.restart_s is not None:
+            runs = [first, *later.get(label, [])]
+            restarts = [r.restart_s for r in runs if r.restart_s is not None]
+            if plan.per_epoch and restarts:
                 due = max(0, math.ceil(total / plan.per_epoch) - 1)
-                projected += (due - remaining / plan.per_epoch) * first.restart_s
+                projected += (due - remaining / plan.per_epoch) * statistics.median(restarts)
             variant.projected_cell_s = projected
 
     def _flag_nondeterminism(

@@ -79,14 +79,22 @@ class Lab:
         self.page.goto(f"{self.server.url}/lab/workspaces/{workspace}/tree/{notebook}")
 
     def open_notebook(self, notebook: str) -> None:
-        """Open a notebook and wait until its kernel is idle."""
+        """Open a notebook and wait until its kernel is idle. A notebook with a kernelspec
+        can still be met by JupyterLab's "Select Kernel" dialog (seen once in a fresh-clone
+        run, after a dozen notebooks had been opened): its default, that kernel, is taken."""
+        idle = self.notebook_panel.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+        asks = self.page.locator(".jp-Dialog:has-text('Select Kernel') .jp-mod-accept")
 
         def attempt() -> None:
             self.goto_notebook(notebook)
             self.cell(0).locator(".cm-content").wait_for(state="visible", timeout=30_000)
-            self.notebook_panel.locator(
-                ".jp-Notebook-ExecutionIndicator[data-status='idle']"
-            ).wait_for(state="attached", timeout=30_000)
+
+            def ready() -> bool:
+                if asks.count() and asks.first.is_visible():
+                    asks.first.click()
+                return idle.count() > 0
+
+            wait_until(ready, 30, "the notebook's kernel to be idle")
 
         retry(attempt)
 
