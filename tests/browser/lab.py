@@ -79,24 +79,28 @@ class Lab:
         self.page.goto(f"{self.server.url}/lab/workspaces/{workspace}/tree/{notebook}")
 
     def open_notebook(self, notebook: str) -> None:
-        """Open a notebook and wait until its kernel is idle. A notebook with a kernelspec
-        can still be met by JupyterLab's "Select Kernel" dialog (seen once in a fresh-clone
-        run, after a dozen notebooks had been opened): its default, that kernel, is taken."""
+        """Open a notebook and wait until its kernel is idle."""
         idle = self.notebook_panel.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-        asks = self.page.locator(".jp-Dialog:has-text('Select Kernel') .jp-mod-accept")
 
         def attempt() -> None:
             self.goto_notebook(notebook)
             self.cell(0).locator(".cm-content").wait_for(state="visible", timeout=30_000)
 
             def ready() -> bool:
-                if asks.count() and asks.first.is_visible():
-                    asks.first.click()
+                self.accept_kernel_dialog()
                 return idle.count() > 0
 
             wait_until(ready, 30, "the notebook's kernel to be idle")
 
         retry(attempt)
+
+    def accept_kernel_dialog(self) -> None:
+        """Take the default of JupyterLab's "Select Kernel" dialog if it is up. A notebook
+        with a kernelspec can still meet it, even after its kernel was idle (seen in two
+        fresh-clone runs, a dozen notebooks into the browser tests); it blocks every click."""
+        asks = self.page.locator(".jp-Dialog:has-text('Select Kernel') .jp-mod-accept")
+        if asks.count() and asks.first.is_visible():
+            asks.first.click()
 
     def cell(self, index: int) -> Locator:
         return self.notebook_panel.locator(".jp-Notebook .jp-Cell").nth(index)
@@ -116,6 +120,7 @@ class Lab:
         target = prompt if until is None else self.cell(index).locator(until).first
 
         def attempt() -> None:
+            self.accept_kernel_dialog()
             self.focus_editor(index)
             self.page.keyboard.press("Control+Enter")
             expect(prompt).not_to_have_text(NOT_RUN_PROMPT, timeout=5_000)
