@@ -39,8 +39,8 @@ from .engine import (
     memory,
     numerics,
     oom,
+    plain_stack,
     probe,
-    stack_depth,
     state,
     steps,
     timing,
@@ -140,9 +140,9 @@ class Session:
         self._history: list[Variant] = []  # every finished measurement's variants, in order
         self._start_state: state.Snapshot | None = None
         self._start_switches = state.TorchSwitches.capture()  # taken again by the probe
-        # where a plain run of the cell would execute: timed runs of a cell whose cost
-        # depends on it execute there (`_one_run`)
-        self._plain_depth = stack_depth.plain_cell_depth()
+        # the stack a plain run of the cell would execute under: timed runs of a cell whose
+        # cost depends on it execute there (`_measuring_stack`)
+        self._plain_stack = plain_stack.PlainStack.of_caller()
         self._applied: dict[str, fixes.Fix] = {}
         self._flops: utilisation.FlopCount | None = None  # counted once: fixes keep the math
         self._flops_detail: str | None = None
@@ -648,29 +648,8 @@ class Session:
         (peak memory, FLOPs) opens once the start state is back, so what the previous run
         left and the restore frees is not counted against this run.
 
-        A measuring run of a cell whose cost depends on the stack depth (anomaly detection
-        on) executes the cell at the plain cell's depth, on a stack of its own
-        (`stack_depth`)."""
-        __tracebackhide__ = True
-        run = functools.partial(self._run_once, config, observe, stop, watched)
-        if self._depth_matters() and stack_depth.fresh_stack_available():
-            return stack_depth.on_fresh_stack(functools.partial(run, self._plain_depth))
-        return run(None)
-
-    def _depth_matters(self) -> bool:
-        """Whether the cell's cost follows its stack depth: anomaly detection stores the
-        Python stack with every autograd node the probe saw it create."""
-        obs = self.observation
-        return obs is not None and bool(obs.forward_with_anomaly or obs.backward_with_anomaly)
-
-    def _run_once(
-        self,
-        config: _Config,
-        observe: Callable[[], Any] | None,
-        stop: int | None,
-        watched: AbstractContextManager[Any] | None,
-        cell_depth: int | None,
-    ) -> _RunTime:
+        A measuring run of a cell whose cost depends on the stack (anomaly detection on)
+        executes the cell under the stack a plain run of it has (`plain_stack`)."""
         __tracebackhide__ = True
         if self._start_state is not None:
             self._start_state.restore()
@@ -699,7 +678,7 @@ class Session:
         ):
             started, faults = time.perf_counter(), allocator.minor_faults()
             try:
-                seconds = self.workload.run(source, cell_depth)
+                seconds = self.workload.run(source, self._measuring_stack())
             except steps.StepLimitReached:
                 seconds = time.perf_counter() - started
             faults = allocator.minor_faults() - faults
@@ -717,6 +696,14 @@ class Session:
             )
         restart_s = times.restart(self.plan.warmup) if per_epoch else None
         return _RunTime(seconds, times.lead_s, step_s, seen, faults, restart_s)
+
+    def _measuring_stack(self) -> plain_stack.PlainStack | None:
+        """The stack measuring runs execute the cell under: the plain cell's where the cell's
+        cost follows it (anomaly detection stores the Python stack with every autograd node
+        the probe saw it create) and a stack of its own can be had; else where they stand."""
+        obs = self.observation
+        follows = obs is not None and bool(obs.forward_with_anomaly or obs.backward_with_anomaly)
+        return self._plain_stack if follows and plain_stack.fresh_stack_available() else None
 
     def _sample_plan(self, configs: list[_Config], budget_s: float) -> steps.SamplePlan | None:
         """Whether to stop every run at a step, and where first (the baseline's first run

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from . import history, stack_depth
+from . import history
 from .fixes import Patcher
+from .plain_stack import PlainStack
 
 _counter = itertools.count(1)
 
@@ -135,19 +136,18 @@ class Workload:
             self._compiled[source] = code
         return code
 
-    def run(self, source: str | None = None, cell_depth: int | None = None) -> float:
-        """Execute the cell once; seconds of wall time, device work included. With
-        `cell_depth`, the cell's frame sits at that stack depth where this thread allows
-        (`stack_depth.call_at`)."""
+    def run(self, source: str | None = None, under: PlainStack | None = None) -> float:
+        """Execute the cell once; seconds of wall time, device work included. `under`: the
+        stack a plain run of the cell has, to run it under (`PlainStack.run`)."""
         __tracebackhide__ = True
         code = self.code_for(source)
         synchronize()
         start = time.perf_counter()
         try:
-            if cell_depth is None:
+            if under is None:
                 exec(code, self.namespace)
             else:
-                stack_depth.call_at(cell_depth, exec, code, self.namespace)
+                under.run(exec, code, self.namespace)
             synchronize()
         except Exception as error:
             raise CellError(error) from error

@@ -1,17 +1,18 @@
-"""Anomaly cells are measured at the depth IPython runs the plain cell at.
+"""Anomaly cells are measured under the stack IPython runs the plain cell under.
 
 Anomaly detection stores the Python stack with every autograd node, so the same cell costs
-more the deeper it runs; perfcheck's own frames (magic, session, timing loop, fixes) would
-otherwise make its baseline slower than the user's plain run. Real IPython shell, real
-torch: the cell itself records the depth of its own frame, its thread and its greenlet.
+more the deeper it runs and the more files its stack holds; perfcheck's own frames (magic,
+session, timing loop, fixes) would otherwise make its baseline slower than the user's plain
+run. Real IPython shell, real torch: the cell itself records the stack above it as a stack
+capture formats it (what anomaly mode stores), its thread and its greenlet.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
+import traceback
 from typing import Any
 
 import greenlet
@@ -19,15 +20,14 @@ import pytest
 import torch
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import stack_depth
+from torchtune_magic.engine import plain_stack
 from torchtune_magic.report import Report
 
 SETUP = """
-import sys, threading
+import sys, threading, traceback
 import greenlet
 import torch
 from torch import nn
-from torchtune_magic.engine.stack_depth import depth
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -36,7 +36,7 @@ seen = []
 """
 
 CELL = """
-seen.append((depth(sys._getframe()), greenlet.getcurrent().parent is not None,
+seen.append((tuple(traceback.format_stack()[:-1]), greenlet.getcurrent().parent is not None,
              threading.current_thread().name, torch.is_grad_enabled()))
 with torch.autograd.detect_anomaly(){grad}:
     for _ in range(30):
@@ -48,31 +48,35 @@ ANOMALY_CELL = CELL.format(grad="")
 PLAIN_CELL = CELL.replace("torch.autograd.detect_anomaly(){grad}", "torch.enable_grad()")
 
 
-Seen = tuple[int, bool, str, bool]  # depth, on a greenlet of perfcheck's, thread, grad mode
+# the stack above the cell as anomaly mode stores it, on a greenlet of perfcheck's, thread,
+# grad mode
+Seen = tuple[tuple[str, ...], bool, str, bool]
 
 
 def _seen(ip: Any) -> list[Seen]:
     return list(ip.user_ns["seen"])
 
 
-def test_measuring_runs_of_an_anomaly_cell_run_at_the_plain_cells_depth(ip: Any) -> None:
+def test_measuring_runs_of_an_anomaly_cell_run_under_the_plain_cells_stack(ip: Any) -> None:
     ip.run_cell(SETUP)
-    ip.run_cell(ANOMALY_CELL)
-    ((plain_depth, plain_fresh, _, _),) = _seen(ip)
-    assert not plain_fresh
-    ip.user_ns["seen"].clear()
-
     magic = "%%perfcheck --budget 2 -q -o --checks debug-anomaly"
-    report = ip.run_cell(magic + ANOMALY_CELL).result
+    results = [ip.run_cell(cell) for cell in (ANOMALY_CELL, magic + ANOMALY_CELL)]  # one line
+    report = results[1].result
 
-    runs = _seen(ip)
+    (plain_stack, plain_fresh, _, _), probe, *measuring = _seen(ip)
+    assert not plain_fresh
     timed = report.baseline.runs + sum(v.runs or 0 for v in report.variants)
     assert report.cell_run.status == "probe"  # the probe ran it whole: the kernel's one run
-    probe, *measuring = runs
-    assert not probe[1] and probe[0] > plain_depth  # where perfcheck runs, deeper than plain
+    assert not probe[1] and len(probe[0]) > len(plain_stack)  # where perfcheck runs: deeper
+    assert any("torchtune_magic" in line for line in probe[0])
     assert len(measuring) >= timed
-    assert all(fresh and depth == plain_depth for depth, fresh, _, _ in measuring), runs
-    assert {thread for _, _, thread, _ in runs} == {"MainThread"}  # the kernel's own thread
+    # every measuring run reads, to a stack capture, as the plain run: the same files,
+    # lines, line text and names, frame for frame
+    assert all(fresh and stack == plain_stack for stack, fresh, _, _ in measuring), (
+        plain_stack,
+        measuring[0][0],
+    )
+    assert {thread for _, _, thread, _ in _seen(ip)} == {"MainThread"}  # the kernel's thread
 
 
 def test_a_cell_without_anomaly_stays_on_perfchecks_stack(ip: Any) -> None:
@@ -130,8 +134,31 @@ def test_ctrl_c_during_a_run_on_the_fresh_stack_stops_it_and_undoes_every_fix(
         assert torch.equal(mine, theirs)
 
 
-def test_call_at_puts_the_callees_frame_at_the_depth_asked() -> None:
-    asked = stack_depth.depth(sys._getframe()) + 12
-    got: list[int] = []
-    stack_depth.call_at(asked, lambda: got.append(stack_depth.depth(sys._getframe())))
-    assert got == [asked]
+CAPTURE = compile(
+    "sink.append((traceback.format_stack()[:-1], greenlet.getcurrent().parent is not None))",
+    "<cell>",
+    "exec",
+)
+
+
+def _replayed(code: Any, names: dict[str, Any]) -> None:
+    """Stands where the cell's own frame would stand, and runs the cell under a replica of
+    the stack outside it."""
+    plain_stack.PlainStack.of_caller().run(exec, code, names)
+
+
+def _run(how: Any, sink: list[Any]) -> None:
+    how(CAPTURE, {"sink": sink, "traceback": traceback, "greenlet": greenlet})
+
+
+def test_a_replica_stack_reads_as_the_plain_one_frame_for_frame() -> None:
+    """What a stack capture in the cell formats — files, lines, line text, names, how many
+    — is what it formats in a plain run of the cell at the same place."""
+    plain: list[Any] = []
+    replayed: list[Any] = []
+    for how, sink in ((exec, plain), (_replayed, replayed)):
+        _run(how, sink)  # the same line for both
+    ((plain_text, plain_fresh),), ((text, fresh),) = plain, replayed
+    assert not plain_fresh and fresh  # the replica runs on a stack of its own
+    assert any("test_plain_stack.py" in line and "_run(how, sink)" in line for line in text)
+    assert text == plain_text
