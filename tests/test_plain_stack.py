@@ -36,9 +36,10 @@ seen = []
 """
 
 CELL = """
-seen.append((tuple(traceback.format_stack()[:-1]), greenlet.getcurrent().parent is not None,
-             threading.current_thread().name, torch.is_grad_enabled()))
 with torch.autograd.detect_anomaly(){grad}:
+    seen.append((tuple(traceback.format_stack()[:-1]), greenlet.getcurrent().parent is not None,
+                 threading.current_thread().name, torch.is_grad_enabled(),
+                 torch.is_anomaly_enabled()))
     for _ in range(30):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -49,8 +50,8 @@ PLAIN_CELL = CELL.replace("torch.autograd.detect_anomaly(){grad}", "torch.enable
 
 
 # the stack above the cell as anomaly mode stores it, on a greenlet of perfcheck's, thread,
-# grad mode
-Seen = tuple[tuple[str, ...], bool, str, bool]
+# grad mode, anomaly mode
+Seen = tuple[tuple[str, ...], bool, str, bool, bool]
 
 
 def _seen(ip: Any) -> list[Seen]:
@@ -63,39 +64,46 @@ def test_measuring_runs_of_an_anomaly_cell_run_under_the_plain_cells_stack(ip: A
     results = [ip.run_cell(cell) for cell in (ANOMALY_CELL, magic + ANOMALY_CELL)]  # one line
     report = results[1].result
 
-    (plain_stack, plain_fresh, _, _), probe, *measuring = _seen(ip)
+    (plain_stack, plain_fresh, *_), probe, *measuring = _seen(ip)
     assert not plain_fresh
     timed = report.baseline.runs + sum(v.runs or 0 for v in report.variants)
     assert report.cell_run.status == "probe"  # the probe ran it whole: the kernel's one run
     assert not probe[1] and len(probe[0]) > len(plain_stack)  # where perfcheck runs: deeper
     assert any("torchtune_magic" in line for line in probe[0])
     assert len(measuring) >= timed
-    # every measuring run reads, to a stack capture, as the plain run: the same files,
-    # lines, line text and names, frame for frame
-    assert all(fresh and stack == plain_stack for stack, fresh, _, _ in measuring), (
+    anomalous = [run for run in measuring if run[4]]
+    assert len(anomalous) >= report.baseline.runs
+    # every measuring run with anomaly detection on reads, to a stack capture, as the plain
+    # run: the same files, lines, line text and names, frame for frame
+    assert all(fresh and stack == plain_stack for stack, fresh, *_ in anomalous), (
         plain_stack,
-        measuring[0][0],
+        anomalous[0][0],
     )
-    assert {thread for _, _, thread, _ in _seen(ip)} == {"MainThread"}  # the kernel's thread
+    # with it off (the fix measured), the stack costs nothing: the runs stay in place
+    assert not any(fresh for _, fresh, _, _, anomaly in measuring if not anomaly)
+    assert {thread for _, _, thread, *_ in _seen(ip)} == {"MainThread"}  # the kernel's thread
 
 
 def test_a_cell_without_anomaly_stays_on_perfchecks_stack(ip: Any) -> None:
     ip.run_cell(SETUP)
     ip.run_cell("%%perfcheck --budget 1 -q" + PLAIN_CELL)
-    assert _seen(ip) and not any(fresh for _, fresh, _, _ in _seen(ip))
+    assert _seen(ip) and not any(fresh for _, fresh, *_ in _seen(ip))
 
 
 def test_the_fresh_stack_keeps_the_threads_torch_modes() -> None:
     from workloads import namespace_with
 
-    ns = namespace_with(SETUP)
-    cell = ANOMALY_CELL.replace("detect_anomaly():", "detect_anomaly(), torch.enable_grad():")
+    ns = namespace_with(SETUP + "modes = []\n")
+    cell = (
+        "modes.append((greenlet.getcurrent().parent is not None, torch.is_grad_enabled()))"
+        + ANOMALY_CELL.replace("detect_anomaly():", "detect_anomaly(), torch.enable_grad():")
+    )
     torch.set_grad_enabled(False)  # as an earlier cell can leave it, for the whole kernel
     try:
         perfcheck(cell, ns, budget=1, checks="debug-anomaly")
     finally:
         torch.set_grad_enabled(True)
-    modes = {(fresh, grad) for _, fresh, _, grad in ns["seen"]}
+    modes = set(ns["modes"])
     assert (True, False) in modes and (True, True) not in modes
 
 
@@ -126,7 +134,7 @@ def test_ctrl_c_during_a_run_on_the_fresh_stack_stops_it_and_undoes_every_fix(
     with pytest.raises(KeyboardInterrupt):
         perfcheck(ANOMALY_CELL, ns, budget=30, on_report=interrupt_once_measuring)
     assert reports[-1].phase == "interrupted"
-    assert any(fresh for _, fresh, _, _ in ns["seen"])
+    assert any(fresh for _, fresh, *_ in ns["seen"])
     assert greenlet.getcurrent().parent is None  # back on the caller's own stack
     assert torch.autograd.detect_anomaly is detect_anomaly and not torch.is_anomaly_enabled()
     # the kernel as after the cell's one run (the probe ran it whole)

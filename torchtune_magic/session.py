@@ -672,13 +672,14 @@ class Session:
         with (
             watched or nullcontext() as seen,
             fixes.applied(config.fixes, namespace),
-            fixes.combined_context(config.fixes, namespace),
+            fixes.combined_context(config.fixes, namespace, in_cell=False),
             silenced(),
             counter.counting() if counter else nullcontext() as times,
         ):
             started, faults = time.perf_counter(), allocator.minor_faults()
+            in_cell = fixes.combined_context(config.fixes, namespace, in_cell=True)
             try:
-                seconds = self.workload.run(source, self._measuring_stack())
+                seconds = self.workload.run(source, self._measuring_stack(config), in_cell)
             except steps.StepLimitReached:
                 seconds = time.perf_counter() - started
             faults = allocator.minor_faults() - faults
@@ -697,13 +698,17 @@ class Session:
         restart_s = times.restart(self.plan.warmup) if per_epoch else None
         return _RunTime(seconds, times.lead_s, step_s, seen, faults, restart_s)
 
-    def _measuring_stack(self) -> plain_stack.PlainStack | None:
-        """The stack measuring runs execute the cell under: the plain cell's where the cell's
-        cost follows it (anomaly detection stores the Python stack with every autograd node
-        the probe saw it create) and a stack of its own can be had; else where they stand."""
+    def _measuring_stack(self, config: _Config) -> plain_stack.PlainStack | None:
+        """The stack a measuring run executes the cell under: the plain cell's where the
+        run's cost follows it (anomaly detection, which stores the Python stack with every
+        autograd node, seen on in the probe and not turned off by the config's fixes) and a
+        stack of its own can be had; else where it stands. (A run on a stack of its own
+        pays ~0.1 ms to start it, so runs whose cost does not follow the stack stay.)"""
         obs = self.observation
         follows = obs is not None and bool(obs.forward_with_anomaly or obs.backward_with_anomaly)
-        return self._plain_stack if follows and plain_stack.fresh_stack_available() else None
+        if not follows or any(fix.ends_stack_cost for fix in config.fixes):
+            return None
+        return self._plain_stack if plain_stack.fresh_stack_available() else None
 
     def _sample_plan(self, configs: list[_Config], budget_s: float) -> steps.SamplePlan | None:
         """Whether to stop every run at a step, and where first (the baseline's first run

@@ -36,6 +36,7 @@ class NoGradFix(Fix):
     """Run the cell under torch.no_grad()."""
 
     check_id = "no-grad"
+    context_in_cell = True  # the change wraps the cell in `with torch.no_grad():`
 
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
         return torch.no_grad()

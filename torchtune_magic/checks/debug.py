@@ -111,6 +111,7 @@ class AnomalyOffFix(Fix):
     """Anomaly mode off: globally now, and the cell's own calls turned into no-ops."""
 
     check_id = "debug-anomaly"
+    ends_stack_cost = True
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         if torch.is_anomaly_enabled():

@@ -211,6 +211,14 @@ class Fix:
     # glibc no longer moves them by itself, so runs after it are served under another
     # allocator state than runs before it.
     sets_allocator: ClassVar[bool] = False
+    # The run context stands for code the fix's change puts in the cell (a `with
+    # torch.no_grad():` around it): it is entered inside the timed run, where that code would
+    # run and cost its time. Other run contexts are the measurement's own devices (debug
+    # calls made inert for the run) and are entered before the clock starts.
+    context_in_cell: ClassVar[bool] = False
+    # With the fix applied, what the cell costs no longer follows the Python stack it runs
+    # under (anomaly detection off): its runs need not execute under the plain cell's stack.
+    ends_stack_cost: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None
@@ -288,11 +296,15 @@ def applied(fixes: list[Fix], namespace: dict[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def combined_context(fixes: list[Fix], namespace: dict[str, Any]) -> Iterator[None]:
-    """Every fix's run context, entered in a fixed order so composition is deterministic."""
+def combined_context(
+    fixes: list[Fix], namespace: dict[str, Any], in_cell: bool | None = None
+) -> Iterator[None]:
+    """Every fix's run context (with `in_cell`, only those whose `context_in_cell` is that),
+    entered in a fixed order so composition is deterministic."""
     with contextlib.ExitStack() as stack:
         for fix in sorted(fixes, key=lambda f: f.check_id):
-            stack.enter_context(fix.run_context(namespace))
+            if in_cell is None or fix.context_in_cell == in_cell:
+                stack.enter_context(fix.run_context(namespace))
         yield
 
 

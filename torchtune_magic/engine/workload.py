@@ -136,18 +136,25 @@ class Workload:
             self._compiled[source] = code
         return code
 
-    def run(self, source: str | None = None, under: PlainStack | None = None) -> float:
+    def run(
+        self,
+        source: str | None = None,
+        under: PlainStack | None = None,
+        around: contextlib.AbstractContextManager[Any] | None = None,
+    ) -> float:
         """Execute the cell once; seconds of wall time, device work included. `under`: the
-        stack a plain run of the cell has, to run it under (`PlainStack.run`)."""
+        stack a plain run of the cell has, to run it under (`PlainStack.run`); `around`: a
+        context entered and left inside the timed run, as code in the cell would be."""
         __tracebackhide__ = True
         code = self.code_for(source)
         synchronize()
         start = time.perf_counter()
         try:
-            if under is None:
-                exec(code, self.namespace)
-            else:
-                under.run(exec, code, self.namespace)
+            with around or contextlib.nullcontext():
+                if under is None:
+                    exec(code, self.namespace)
+                else:
+                    under.run(exec, code, self.namespace)
             synchronize()
         except Exception as error:
             raise CellError(error) from error
