@@ -41,15 +41,6 @@ T = TypeVar("T")
 _MACHINERY = ("torchtune_magic", "IPython")
 
 
-def depth(frame: FrameType | None) -> int:
-    """How many frames the stack holds from `frame` out to its first (1: it is the first)."""
-    count = 0
-    while frame is not None:
-        count += 1
-        frame = frame.f_back
-    return count
-
-
 @dataclass(frozen=True)
 class FrameSpec:
     """What a stack capture reads of a frame: its file, the line it is at, its name, and
@@ -83,11 +74,6 @@ class PlainStack:
             outer.append(FrameSpec(code.co_filename, frame.f_lineno or 1, code.co_name, module))
             frame = frame.f_back
         return cls(tuple(reversed(outer)))
-
-    @property
-    def cell_depth(self) -> int:
-        """The depth the cell's own frame has under these frames."""
-        return len(self.frames) + 1
 
     def run(self, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` (a builtin such as `exec`, which adds no frame of its own) on a
