@@ -150,6 +150,11 @@ def probe_cost(shell: Shell, rounds: int) -> dict[str, float]:
     }
 
 
+_UNBOUND = object()
+# short cells get more A/B rounds: until every arm has run this long, or this many rounds
+AB_SECONDS, AB_MAX_ROUNDS = 2.0, 300
+
+
 def _earlier_cells(shell: Shell, setup: str) -> dict[str, Any]:
     """Run `setup` as a notebook's earlier cell, through the shell; the names it bound."""
     before = dict(shell.ip.user_ns)
@@ -159,9 +164,6 @@ def _earlier_cells(shell: Shell, setup: str) -> dict[str, Any]:
         for name, value in shell.ip.user_ns.items()
         if not name.startswith("_") and before.get(name, _UNBOUND) is not value
     }
-
-
-_UNBOUND = object()
 
 
 def _timed_in(shell: Shell, names: dict[str, Any], cell: str) -> float:
@@ -183,9 +185,6 @@ def _ab(shell: Shell, arms: list[tuple[dict[str, Any], str]], rounds: int) -> li
         for arm, (names, cell) in zip(times, arms, strict=True):
             arm.append(_timed_in(shell, names, cell))
     return times
-
-
-AB_SECONDS, AB_MAX_ROUNDS = 2.0, 300
 
 
 def agreement(
