@@ -24,6 +24,12 @@ top-level statements, so each A/B run also timed IPython's per-statement work be
 them (~0.15 ms: 10-15% of a 1 ms cell); and it ran the earlier cells in dicts of their
 own, so their functions were not the shell's (`fuse-pointwise` found the chains but, as in
 a notebook it would not, no function of the namespace to compile: no variant measured).
+Two more since: the timer's start was still a statement of its own, so IPython compiled
+the cell's body inside the timed region (~40-60 µs: the 0.2 ms `no-grad` cell read 1.03x
+against perfcheck's 1.14x, 1.10x once the start moved into the timed statement); and the
+arms ran in turns in one namespace, so each run began by freeing what the other arm's run
+had bound — the no-grad cell's first forward freed the plain cell's autograd graph. Each
+arm now reruns with what its own last run left bound, as a notebook cell rerun does.
 """
 
 from __future__ import annotations
@@ -69,7 +75,8 @@ for step in range(25):
 # top-level statement of a cell apart, so a timer in statements of its own would also time
 # IPython's work between them.
 TIMED = (
-    "_t0 = time.perf_counter()\ntry:\n{body}finally:\n    _elapsed = time.perf_counter() - _t0\n"
+    "try:\n    _t0 = time.perf_counter()\n"
+    "{body}finally:\n    _elapsed = time.perf_counter() - _t0\n"
 )
 
 
@@ -166,24 +173,55 @@ def _earlier_cells(shell: Shell, setup: str) -> dict[str, Any]:
     }
 
 
-def _timed_in(shell: Shell, names: dict[str, Any], cell: str) -> float:
-    """One run of `cell` through the shell, with `names` bound in its user namespace."""
-    shell.ip.user_ns.update(names)
-    shell.ip.run_cell(timed(cell), silent=True).raise_error()
-    return shell.ip.user_ns["_elapsed"]
+def _run_in(
+    shell: Shell, names: dict[str, Any], text: str, left: dict[str, Any] | None = None
+) -> Any:
+    """Run `text` through the shell, with `names` bound in its user namespace and, if given,
+    `left`: what this cell's own last run bound, put back before the run and updated after.
+
+    The one place every zoo cell runs from, perfcheck's and the A/B's alike, as every cell of
+    a notebook runs from the kernel's one call site: anomaly mode formats each frame of the
+    stack per autograd node, so an A/B run two frames deeper than perfcheck's cell ran ~8%
+    slower with anomaly on, and read 2.9x for the anomaly fix against perfcheck's 2.7x."""
+    ns = shell.ip.user_ns
+    ns.update(names)
+    if left is not None:
+        ns.update(left)
+    before = {name: ns[name] for name in ns if not name.startswith("_")}
+    result = shell.ip.run_cell(text, silent=left is not None)
+    result.raise_error()
+    if left is not None:
+        left.update(
+            (name, value)
+            for name, value in ns.items()
+            if not name.startswith("_") and before.get(name, _UNBOUND) is not value
+        )
+    return result
+
+
+def _perfcheck(shell: Shell, names: dict[str, Any], text: str) -> Any:
+    """The report of `text`, a `%%perfcheck` cell (from the A/B's depth: `_run_in`)."""
+    return _run_in(shell, names, text).result
 
 
 def _ab(shell: Shell, arms: list[tuple[dict[str, Any], str]], rounds: int) -> list[list[float]]:
     """The arms timed in turns (A B A B …) after one warm-up run each: at least `rounds`
-    rounds, more for short cells (until every arm has run AB_SECONDS or AB_MAX_ROUNDS)."""
-    for names, cell in arms:  # warm-ups: compile, worker start, caches
-        _timed_in(shell, names, cell)
+    rounds, more for short cells (until every arm has run AB_SECONDS or AB_MAX_ROUNDS).
+
+    Each arm runs with what its own last run left bound (`pred`, `y`, `loss`), as reruns of
+    one cell in a notebook do: otherwise every run would begin by freeing what the other
+    arm's run left — the fixed cell, say, paying to free the plain cell's autograd graph."""
+    left: list[dict[str, Any]] = [{} for _ in arms]
     times: list[list[float]] = [[] for _ in arms]
+    warm = False  # the first round warms up (compile, worker start, caches), untimed
     while len(times[0]) < AB_MAX_ROUNDS and (
-        len(times[0]) < rounds or min(sum(t) for t in times) < AB_SECONDS
+        not warm or len(times[0]) < rounds or min(sum(t) for t in times) < AB_SECONDS
     ):
-        for arm, (names, cell) in zip(times, arms, strict=True):
-            arm.append(_timed_in(shell, names, cell))
+        for arm, (names, cell), own in zip(times, arms, left, strict=True):
+            _run_in(shell, names, timed(cell), own)
+            if warm:
+                arm.append(shell.ip.user_ns["_elapsed"])
+        warm = True
     return times
 
 
@@ -207,10 +245,7 @@ def agreement(
             fixed: dict[str, Any] | None = None
             reports, ab = [], []
             for _ in range(repeats):
-                shell.ip.user_ns.update(plain)
-                result = shell.ip.run_cell(magic + entry.cell)
-                result.raise_error()
-                reports.append(result.result)
+                reports.append(_perfcheck(shell, plain, magic + entry.cell))
                 if fixed is None:  # the loader's workers as perfcheck chose them
                     finding = reports[0].finding(check_id)
                     chosen = re.search(r"(\d+) chosen", finding.evidence) if finding else None
