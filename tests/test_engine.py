@@ -243,3 +243,23 @@ def test_a_snapshot_that_would_not_fit_is_skipped_with_an_explanation(monkeypatc
     assert warning.startswith("state not restored: a snapshot would need")
     assert "re-run the cells that set them up" in warning
     assert report.variant_for(["debug-anomaly"]).numerics.verdict == "not-compared"
+
+
+def test_a_write_torch_does_not_see_in_later_runs_is_said_and_undone():
+    """`table` is written through `.data` only from the second run on (the probe's run
+    leaves it as it was), so the restores between measuring runs, which pass over tensors
+    the probe did not write, cannot see it: the report says so, and the kernel ends as
+    after one plain run."""
+    runs: list[int] = []
+    table = torch.arange(8.0)
+    model = torch.nn.Linear(8, 1)
+    cell = (
+        "runs.append(1)\n"
+        "if len(runs) > 1:\n    table.data[0] += 1\n"
+        "for _ in range(20):\n    out = model(table)\n"
+    )
+    report = perfcheck(cell, {"runs": runs, "table": table, "model": model}, budget=1)
+    assert len(runs) > 2  # measured: runs after the probe's
+    (said,) = [w for w in report.warnings if "torch does not see" in w]
+    assert "(8,)" in said
+    assert torch.equal(table, torch.arange(8.0))  # as after the one plain run

@@ -71,6 +71,41 @@ def test_snapshot_restores_values_into_the_same_objects():
     assert random.random() == rng[1] and np.random.rand() == rng[2]
 
 
+def test_restores_between_runs_pass_over_tensors_the_cell_left_as_they_were():
+    """A run that only reads `table` and trains `model`: between measuring runs the model
+    is written back and the table is not touched (its version counter stays); a write to
+    the table torch sees is restored after all, one it does not see (`.data`) is reported,
+    and a full restore puts every tensor back."""
+    model = torch.nn.Linear(3, 2)
+    table = torch.arange(6.0)
+    ns = {"model": model, "table": table}
+    snap = state.take(ns, discovery.walk(ns))
+    weight = model.weight.detach().clone()
+
+    def run() -> None:  # the cell: reads the table, trains the model
+        model(table[:3].unsqueeze(0)).sum().backward()
+        with torch.no_grad():
+            model.weight -= 0.1 * model.weight.grad
+
+    run()
+    snap.note_unwritten()
+    read_version = table._version
+    run()
+    snap.restore(written_only=True)
+    assert torch.equal(model.weight, weight) and model.weight.grad is None
+    assert table._version == read_version  # not copied back: nothing wrote it
+
+    table.mul_(2)  # a write torch sees: restored even so
+    snap.restore(written_only=True)
+    assert torch.equal(table, torch.arange(6.0)) and snap.written_unseen() == []
+
+    table.data[0] = 99.0  # a write torch does not see: passed over, and said
+    snap.restore(written_only=True)
+    assert table[0] == 99.0 and snap.written_unseen() == [table]
+    snap.restore()
+    assert torch.equal(table, torch.arange(6.0)) and snap.written_unseen() == []
+
+
 def test_discovery_finds_objects_behind_user_objects_closures_and_containers():
     model = torch.nn.Linear(2, 2)
 

@@ -240,6 +240,8 @@ class Session:
             self.step_trace = self.observation.leading_step()
             return self.observation
         obs = self.observation
+        if self._start_state is not None:
+            self._start_state.note_unwritten()
         if obs.stopped_early:
             self._kernel = PART_RUN
         else:
@@ -630,11 +632,26 @@ class Session:
         try:
             yield
         finally:
+            self._note_unseen_writes()
             if current is not None:
                 current.restore()
             else:
                 self._start_state.restore()
                 self._kernel = BEFORE_CELL
+
+    def _note_unseen_writes(self) -> None:
+        """Say so when a measuring run wrote a tensor the probe had left as it was, in a way
+        torch does not see: the restores between runs passed over it (`Snapshot.
+        note_unwritten`), so the runs after that write started from its changed values."""
+        changed = self._start_state.written_unseen() if self._start_state is not None else []
+        if changed:
+            shapes = ", ".join(str(tuple(t.shape)) for t in changed[:3])
+            self._warn_once(
+                f"a measuring run wrote {len(changed)} tensor(s) of shape {shapes} that the "
+                "probe's run had left as they were, in a way torch does not see (through "
+                "`.data` or numpy), so the runs after it started from the changed values; "
+                "they are back as they were now"
+            )
 
     def _one_run(
         self,
@@ -652,7 +669,7 @@ class Session:
         executes the cell under the stack a plain run of it has (`plain_stack`)."""
         __tracebackhide__ = True
         if self._start_state is not None:
-            self._start_state.restore()
+            self._start_state.restore(written_only=True)
         else:  # no snapshot: each run still starts in the modes the cell started in
             self._start_switches.restore()
         namespace = self.workload.namespace
@@ -882,38 +899,47 @@ class Session:
         return self._conclude(configs, results, firsts, timed, later, outputs, watched)
 
     def _note_allocator_drift(self, configs: list[_Config], runs: list[_RunTime]) -> None:
-        """Say so when glibc's allocator changed state under the measurement: the baseline's
-        first timed run paid for page faults the later ones did not (or the reverse) worth
-        more than ALLOCATOR_DRIFT_SHARE of a run. glibc raises its mmap threshold when a
-        mapped block is freed, by the cell or by our own profiling, so a kernel's first
-        runs of a cell can be slower than the runs measured here. Not said when a measured
-        fix set the thresholds itself (cpu-allocator): the change would be ours, and that
-        finding's caveat says what its undo leaves."""
+        """Say so when page faults moved the baseline's times by more than
+        ALLOCATOR_DRIFT_SHARE of a run. Either its first timed run paid for faults the later
+        ones did not — glibc raises its mmap threshold when a mapped block is freed, so a
+        kernel's first runs of the cell are slower than the runs measured here — or its runs
+        faulted unevenly: where a cell's large tensors fall on glibc's heap decides whether
+        their memory goes back to the OS and is faulted in again, and a cell freeing 16 MiB
+        activations was seen to take 4k-90k faults a run (115-217 ms) in a plain Python
+        loop, with nothing else running. Then its time, and any speedup, moves that much
+        from run to run in a kernel too. Not said when a measured fix set the thresholds
+        itself (cpu-allocator): the change would be ours, and that finding's caveat says
+        what its undo leaves."""
         if len(runs) < 3 or any(fix.sets_allocator for c in configs for fix in c.fixes):
             return
         first, later = runs[0], runs[1:]
-        steady = statistics.median(run.faults for run in later)
-        cost_s = abs(first.faults - steady) * allocator.fault_cost_s()
         run_s = statistics.median(run.total_s for run in later)
-        if run_s <= 0 or cost_s < ALLOCATOR_DRIFT_SHARE * run_s:
+        fault_s = allocator.fault_cost_s()
+        if run_s <= 0:
             return
-        if first.faults > steady:
-            meaning = (
-                "glibc raises its mmap threshold as large blocks are freed, so this cell's "
-                "first runs in a kernel can be slower than this baseline"
+        most = max(run.faults for run in later)
+        if (first.faults - most) * fault_s >= ALLOCATOR_DRIFT_SHARE * run_s:
+            steady = statistics.median(run.faults for run in later)
+            self._warn_once(
+                f"glibc's allocator changed state while measuring: the baseline's first timed "
+                f"run took {first.faults:,} page faults, the later ones {steady:,.0f} "
+                f"(≈{(first.faults - steady) * fault_s * 1e3:.1f} ms of a "
+                f"{run_s * 1e3:.0f} ms run); glibc raises its mmap threshold as large blocks "
+                "are freed, so this cell's first runs in a kernel can be slower than this "
+                "baseline (cpu-allocator measures fixing that)"
             )
-        else:  # the runs in between (other configurations) left glibc serving it worse
-            meaning = (
-                "what ran between them (the fixes' runs) left glibc serving this cell's "
-                "blocks with fresh pages, so this baseline can be slower than the cell runs "
-                "in a kernel, and speedups overstated"
+            return
+        low, high = min(run.faults for run in runs), max(run.faults for run in runs)
+        if (high - low) * fault_s >= ALLOCATOR_DRIFT_SHARE * run_s:
+            self._warn_once(
+                f"glibc's allocator served this cell unevenly: its runs took {low:,} to "
+                f"{high:,} page faults (≈{(high - low) * fault_s * 1e3:.1f} ms apart, of a "
+                f"{run_s * 1e3:.0f} ms run); where its large tensors fall on glibc's heap "
+                "decides whether their memory goes back to the OS and is faulted in again, so "
+                "its time varies that much from run to run in a kernel too, with a fix or "
+                f"without, and the speedups are medians over {len(runs)} runs of the baseline "
+                "(cpu-allocator measures fixing that)"
             )
-        self._warn_once(
-            f"glibc's allocator changed state while measuring: the baseline's first timed run "
-            f"took {first.faults:,} page faults, the later ones {steady:,.0f} "
-            f"(≈{cost_s * 1e3:.1f} ms of a {run_s * 1e3:.0f} ms run); {meaning} "
-            "(cpu-allocator measures fixing that)"
-        )
 
     @contextmanager
     def _failures_noted(self, config: _Config, variant: Variant) -> Iterator[None]:
