@@ -30,6 +30,16 @@ against perfcheck's 1.14x, 1.10x once the start moved into the timed statement);
 arms ran in turns in one namespace, so each run began by freeing what the other arm's run
 had bound — the no-grad cell's first forward freed the plain cell's autograd graph. Each
 arm now reruns with what its own last run left bound, as a notebook cell rerun does.
+And one of perfcheck's: before every run it copied back every tensor of the namespace,
+32 MiB of them left by earlier zoo cells, which evicted the CPU caches before each timed
+run (debug-gradcheck read 4.14x against 4.53x once those cells had run); it now passes
+over tensors the cell does not write (state.Snapshot.note_unwritten).
+
+One row stays apart by more than 5% in some runs: `fuse-pointwise` on the 16 MiB
+pointwise function. Its plain cell takes 4k-90k page faults a run in a plain Python loop
+(113-217 ms), as glibc's heap happens to fall, and its speedup moves with that from one
+ten-second stretch to the next — by the A/B against itself as much as against perfcheck
+(A/B repeats 2.67-5.18x over this benchmark's runs).
 """
 
 from __future__ import annotations

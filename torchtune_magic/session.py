@@ -923,7 +923,7 @@ class Session:
             self._warn_once(
                 f"glibc's allocator changed state while measuring: the baseline's first timed "
                 f"run took {first.faults:,} page faults, the later ones {steady:,.0f} "
-                f"(≈{(first.faults - steady) * fault_s * 1e3:.1f} ms of a "
+                f"(≈{(first.faults - steady) * fault_s * 1e3:.1f} ms on top of a "
                 f"{run_s * 1e3:.0f} ms run); glibc raises its mmap threshold as large blocks "
                 "are freed, so this cell's first runs in a kernel can be slower than this "
                 "baseline (cpu-allocator measures fixing that)"
