@@ -173,9 +173,12 @@ def test_epoch_restarts_are_timed_and_count_in_the_projection() -> None:
     assert complete is not None and complete.status == "complete" and complete.steps == 400
     projected = report.baseline.projected_cell_s
     assert projected is not None
-    # restarts left out would read ~0.35; each run times one restart, a single event that
-    # a busy machine can make twice as long (CI: 8.1 s projected for a 4.9 s run)
-    assert 0.7 < projected / complete.seconds < 2.0, (projected, complete.seconds)
+    # restarts left out would read ~0.35, a restart counted per step instead of per epoch
+    # ~30. Each run times one restart (a fork of the test process, a worker start), a
+    # single event that a busy 2-core machine makes up to ~3x as long as in the complete
+    # run (CI, the whole suite: 8.1 s projected for 4.9 s, 11.2 s for 3.9 s, 13.1 s for
+    # 6.0 s; alone: 3.6-4.0 s for ~3.9 s)
+    assert 0.7 < projected / complete.seconds < 4.0, (projected, complete.seconds)
     assert "an epoch restart in the timed batches counts once per 40" in summary.sampling_line(
         report
     )
