@@ -905,7 +905,7 @@ class Session:
         kernel's first runs of the cell are slower than the runs measured here — or its runs
         faulted unevenly: where a cell's large tensors fall on glibc's heap decides whether
         their memory goes back to the OS and is faulted in again, and a cell freeing 16 MiB
-        activations was seen to take 4k-90k faults a run (115-217 ms) in a plain Python
+        activations was seen to take 4k-90k faults a run (113-217 ms) in a plain Python
         loop, with nothing else running. Then its time, and any speedup, moves that much
         from run to run in a kernel too. Not said when a measured fix set the thresholds
         itself (cpu-allocator): the change would be ours, and that finding's caveat says
