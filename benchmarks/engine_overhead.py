@@ -172,15 +172,20 @@ _UNBOUND = object()
 AB_SECONDS, AB_MAX_ROUNDS = 2.0, 300
 
 
+def _rebound(ns: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The user's names in `ns` bound to other objects than in `before`."""
+    return {
+        name: value
+        for name, value in ns.items()
+        if not name.startswith("_") and before.get(name, _UNBOUND) is not value
+    }
+
+
 def _earlier_cells(shell: Shell, setup: str) -> dict[str, Any]:
     """Run `setup` as a notebook's earlier cell, through the shell; the names it bound."""
     before = dict(shell.ip.user_ns)
     shell.ip.run_cell(textwrap.dedent(setup), silent=True).raise_error()
-    return {
-        name: value
-        for name, value in shell.ip.user_ns.items()
-        if not name.startswith("_") and before.get(name, _UNBOUND) is not value
-    }
+    return _rebound(shell.ip.user_ns, before)
 
 
 def _run_in(
@@ -197,15 +202,11 @@ def _run_in(
     ns.update(names)
     if left is not None:
         ns.update(left)
-    before = {name: ns[name] for name in ns if not name.startswith("_")}
+    before = dict(ns)
     result = shell.ip.run_cell(text, silent=left is not None)
     result.raise_error()
     if left is not None:
-        left.update(
-            (name, value)
-            for name, value in ns.items()
-            if not name.startswith("_") and before.get(name, _UNBOUND) is not value
-        )
+        left.update(_rebound(ns, before))
     return result
 
 
