@@ -35,6 +35,11 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 loader = DataLoader(SlowDataset(96, delay_s=0.003), batch_size=8, shuffle=True)
 epochs = 6
 steplog = []
+# every run's steps, for the tests: a module's attribute survives the restores between runs
+# (the state guard does not walk into modules), where `steplog` is put back each time
+import types
+runlog = types.ModuleType("runlog")
+runlog.steps = []
 """
 
 LONG_CELL = textwrap.dedent(
@@ -43,6 +48,7 @@ LONG_CELL = textwrap.dedent(
     for epoch in range(epochs):
         for i, (x, y) in enumerate(loader):
             steplog.append(epoch * 1000 + i)
+            runlog.steps.append(epoch * 1000 + i)
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -76,6 +82,7 @@ def _state(ns: dict[str, Any]) -> dict[str, torch.Tensor]:
     out["rng"] = torch.get_rng_state()
     if "last" in ns:
         out["last"] = torch.tensor(ns["last"])
+    out["steplog"] = torch.tensor(ns["steplog"])  # the user's list, as after one run
     return out
 
 
@@ -86,7 +93,8 @@ def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 
 
 def _runs(steplog: list[int]) -> list[list[int]]:
-    """The step log cut into runs: every run of the cell starts again at step 0."""
+    """A log of every run's steps (`runlog.steps`) cut into runs: every run of the cell
+    starts again at step 0."""
     runs: list[list[int]] = []
     for entry in steplog:
         if entry == 0:
@@ -106,7 +114,7 @@ def test_every_measuring_run_stops_after_the_same_step_and_compares_there() -> N
     stop, warmup = sampled.stop_step, sampled.warmup_steps
     assert warmup < stop < STEPS
 
-    runs = [len(run) for run in _runs(ns["steplog"])]
+    runs = [len(run) for run in _runs(ns["runlog"].steps)]
     probe, calibration, *measuring, complete = runs
     assert probe == sampled.probe_steps < STEPS  # the probe stopped itself early
     assert complete == STEPS  # the cell's one complete run, last
@@ -137,14 +145,16 @@ model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 loader = DataLoader(SlowDataset(80, delay_s=0.001), batch_size=2, num_workers=2,
                     worker_init_fn=slow_worker_start)
-steplog = []
+import types
+runlog = types.ModuleType("runlog")  # survives the restores between runs (see LONG_SETUP)
+runlog.steps = []
 """
 # ten epochs: ~3.7 s plain, longer than the probe may run (3 s at this budget), whatever
 # the machine's speed (six, ~2.2 s, let a quiet machine's probe run the cell whole)
 RESTARTING_CELL = """
 for epoch in range(10):
     for i, (x, y) in enumerate(loader):
-        steplog.append(epoch * 1000 + i)
+        runlog.steps.append(epoch * 1000 + i)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -164,10 +174,10 @@ def test_epoch_restarts_are_timed_and_count_in_the_projection() -> None:
     # every measuring run went on into the next epoch within its timed steps (the
     # baseline's first timed run and at least one more round: a busy machine leaves no
     # budget for a third)
-    measuring = [run for run in _runs(ns["steplog"])[1:-1] if len(run) == stop]
+    measuring = [run for run in _runs(ns["runlog"].steps)[1:-1] if len(run) == stop]
     assert len(measuring) >= 2
     assert all(run[-1] >= 1000 for run in measuring), measuring
-    assert ns["steplog"][-400:] == [e * 1000 + i for e in range(10) for i in range(40)]
+    assert ns["runlog"].steps[-400:] == [e * 1000 + i for e in range(10) for i in range(40)]
 
     complete = report.cell_run
     assert complete is not None and complete.status == "complete" and complete.steps == 400
@@ -277,7 +287,7 @@ def test_ctrl_c_during_the_complete_run_leaves_no_fix_applied(ctrl_c: None) -> N
     assert ns["loader"] is loader  # nothing of perfcheck's left applied
     assert torch.autograd.set_detect_anomaly is set_detect_anomaly
     # as an interrupted plain cell: the loop had started, so its own state is mid-way
-    assert 0 < len(_runs(ns["steplog"])[-1]) < STEPS
+    assert 0 < len(ns["steplog"]) < STEPS
 
 
 def test_ctrl_c_during_the_complete_run_keeps_the_fixes_asked_for(ctrl_c: None) -> None:

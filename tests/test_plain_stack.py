@@ -32,14 +32,17 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = torch.randn(32, 16), torch.randn(32, 1)
-seen = []
+import types
+log = types.ModuleType("log")  # every run's record: modules are not restored between runs
+log.seen = []
 """
 
 CELL = """
 with torch.autograd.detect_anomaly(){grad}:
-    seen.append((tuple(traceback.format_stack()[:-1]), greenlet.getcurrent().parent is not None,
-                 threading.current_thread().name, torch.is_grad_enabled(),
-                 torch.is_anomaly_enabled()))
+    log.seen.append((tuple(traceback.format_stack()[:-1]),
+                     greenlet.getcurrent().parent is not None,
+                     threading.current_thread().name, torch.is_grad_enabled(),
+                     torch.is_anomaly_enabled()))
     for _ in range(30):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -55,7 +58,7 @@ Seen = tuple[tuple[str, ...], bool, str, bool, bool]
 
 
 def _seen(ip: Any) -> list[Seen]:
-    return list(ip.user_ns["seen"])
+    return list(ip.user_ns["log"].seen)
 
 
 def test_measuring_runs_of_an_anomaly_cell_run_under_the_plain_cells_stack(ip: Any) -> None:
@@ -93,9 +96,9 @@ def test_a_cell_without_anomaly_stays_on_perfchecks_stack(ip: Any) -> None:
 def test_the_fresh_stack_keeps_the_threads_torch_modes() -> None:
     from workloads import namespace_with
 
-    ns = namespace_with(SETUP + "modes = []\n")
+    ns = namespace_with(SETUP + "log.modes = []\n")
     cell = (
-        "modes.append((greenlet.getcurrent().parent is not None, torch.is_grad_enabled()))"
+        "log.modes.append((greenlet.getcurrent().parent is not None, torch.is_grad_enabled()))"
         + ANOMALY_CELL.replace("detect_anomaly():", "detect_anomaly(), torch.enable_grad():")
     )
     torch.set_grad_enabled(False)  # as an earlier cell can leave it, for the whole kernel
@@ -103,7 +106,7 @@ def test_the_fresh_stack_keeps_the_threads_torch_modes() -> None:
         perfcheck(cell, ns, budget=1, checks="debug-anomaly")
     finally:
         torch.set_grad_enabled(True)
-    modes = set(ns["modes"])
+    modes = set(ns["log"].modes)
     assert (True, False) in modes and (True, True) not in modes
 
 
@@ -134,7 +137,7 @@ def test_ctrl_c_during_a_run_on_the_fresh_stack_stops_it_and_undoes_every_fix(
     with pytest.raises(KeyboardInterrupt):
         perfcheck(ANOMALY_CELL, ns, budget=30, on_report=interrupt_once_measuring)
     assert reports[-1].phase == "interrupted"
-    assert any(fresh for _, fresh, *_ in ns["seen"])
+    assert any(fresh for _, fresh, *_ in ns["log"].seen)
     assert greenlet.getcurrent().parent is None  # back on the caller's own stack
     assert torch.autograd.detect_anomaly is detect_anomaly and not torch.is_anomaly_enabled()
     # the kernel as after the cell's one run (the probe ran it whole)

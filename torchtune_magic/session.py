@@ -210,7 +210,7 @@ class Session:
                     "changed the model/optimizer state; re-run the cells that set them up"
                 )
             else:
-                self._start_state = state.take(namespace, found)
+                self._start_state = state.take(namespace, found, self.workload.source)
         device = self.options.device or "cpu"
         low, high = PROBE_SECONDS
         stop_after = min(high, max(low, PROBE_SHARE_OF_BUDGET * self.options.budget))
@@ -541,7 +541,7 @@ class Session:
             )
         namespace = self.workload.namespace
         try:
-            left_by_failure = state.take(namespace, discovery.walk(namespace))
+            left_by_failure = state.take(namespace, discovery.walk(namespace), self.workload.source)
         except (MemoryError, OSError) as error:  # our snapshot did not fit either
             self.warnings.append(
                 f"the memory fixes were not run: no memory for a snapshot ({error})"
@@ -628,7 +628,8 @@ class Session:
             return
         current = None
         if self._kernel != PART_RUN:
-            current = state.take(self.workload.namespace, discovery.walk(self.workload.namespace))
+            namespace = self.workload.namespace
+            current = state.take(namespace, discovery.walk(namespace), self.workload.source)
         try:
             yield
         finally:

@@ -2,8 +2,9 @@
 
 Measuring means running the cell many times; the user's kernel must look as if it ran once.
 A snapshot holds CPU copies of every parameter, buffer, gradient, optimizer/scheduler state,
-loose tensor, RNG state and the namespace bindings. Restoring writes values back *into the
-same objects* (identity kept), so references the user holds elsewhere stay valid.
+loose tensor, RNG state, the namespace bindings and the plain Python objects the namespace
+reaches (lists, dicts, attributes of user objects: `pystate`). Restoring writes values back
+*into the same objects* (identity kept), so references the user holds elsewhere stay valid.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import allocator, discovery, frameworks
+from . import allocator, discovery, frameworks, pystate
 
 try:  # numpy is optional for the guard; torch works without it
     import numpy as np
@@ -270,12 +271,29 @@ class Snapshot:
     rng: _RNGState | None = None
     switches: TorchSwitches | None = None
     trainers: frameworks.TrainerState | None = None  # Hugging Face Trainers' bookkeeping
+    python: pystate.PyState | None = None  # lists, dicts, attributes, closures, …
     # the tensors a run of the cell was seen to leave as they were (`note_unwritten`)
     unwritten: set[int] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors) + sum(o.nbytes for o in self.optimizers)
+        python = self.python.nbytes if self.python is not None else 0
+        tensors = sum(t.nbytes for t in self.tensors)
+        return tensors + sum(o.nbytes for o in self.optimizers) + python
+
+    @property
+    def not_covered(self) -> list[str]:
+        """Python objects a bound of the snapshot left out, one line each (for the
+        report's warnings): what the measuring runs change in them stays changed."""
+        return list(self.python.not_covered) if self.python is not None else []
+
+    def unrestorable_changes(self) -> list[str]:
+        """After a run of the cell from this snapshot: what it changed that no restore can
+        undo (a generator or iterator advanced, a file read or written, a socket the cell
+        can use), one line each naming the object and why; empty when the cell can be run
+        again without the user seeing it. Only what the names the cell reads reach (`take`'s
+        `cell`) is watched. Call it after the probe's run, before any other run."""
+        return self.python.unrestorable_changes() if self.python is not None else []
 
     def note_unwritten(self) -> None:
         """After a run of the cell from this snapshot: note the tensors it left exactly as
@@ -287,6 +305,8 @@ class Snapshot:
         self.unwritten = {
             i for i, t in enumerate(self.tensors) if t.unmarked() and t.holds_start_value()
         }
+        if self.python is not None:
+            self.python.note_unwritten()
 
     def written_unseen(self) -> list[torch.Tensor]:
         """Tensors passed over that no longer hold their start values: written in a way
@@ -298,6 +318,14 @@ class Snapshot:
             if self.tensors[i].unmarked() and not self.tensors[i].holds_start_value()
         ]
 
+    def written_unseen_objects(self) -> list[str]:
+        """Python objects passed over between runs (`note_unwritten`: large ones the probe's
+        run left as they were, whose length is unchanged) that no longer hold their start
+        contents, by where they are bound: an element replaced in place, a numpy array
+        written, so the runs after that write started from it. A full `restore()` still
+        puts them back."""
+        return self.python.written_unseen() if self.python is not None else []
+
     def restore(self, written_only: bool = False) -> None:
         """Rebind names, then write values back into the same objects; with `written_only`,
         not into tensors noted unwritten whose marks are unchanged (`note_unwritten`)."""
@@ -307,6 +335,8 @@ class Snapshot:
         for name, value in self.bindings.items():
             if ns.get(name, _MISSING) is not value:
                 ns[name] = value
+        if self.python is not None:
+            self.python.restore(written_only)
         if self.trainers is not None:
             self.trainers.restore()
         for i, tensor_state in enumerate(self.tensors):
@@ -328,7 +358,9 @@ _MISSING = object()
 
 
 def estimate_bytes(found: dict[int, discovery.Found]) -> int:
-    """What a snapshot of these objects would hold, without copying anything."""
+    """What a snapshot of these objects would hold, without copying anything. The copies
+    of Python objects (numpy arrays, tensors deeper in lists and user objects) are not
+    counted: `take` bounds them itself to a share of what these leave free."""
     total = 0
     for tensor in _tensors_of(found):
         total += tensor.nbytes
@@ -350,24 +382,40 @@ def _tensors_of(found: dict[int, discovery.Found]) -> list[torch.Tensor]:
     return list(tensors.values())
 
 
-def take(namespace: dict[str, Any], found: dict[int, discovery.Found]) -> Snapshot:
-    """Snapshot the namespace and the objects `found` in it."""
+def take(
+    namespace: dict[str, Any], found: dict[int, discovery.Found], cell: str | None = None
+) -> Snapshot:
+    """Snapshot the namespace and the objects `found` in it. `cell`: the cell's source, whose
+    names are walked first for Python objects and watched for what cannot be restored
+    (`Snapshot.unrestorable_changes`); without it, every name is."""
+    known = _tensors_of(found)
+    free = available_memory_bytes()
+    room = None
+    if free is not None:
+        room = max(0, int(pystate.SHARE_OF_FREE_MEMORY * (free - estimate_bytes(found))))
+    python = pystate.take(
+        namespace,
+        reads=None if cell is None else pystate.cell_reads(cell, namespace),
+        known_tensors=[id(t) for t in known],
+        bounds=pystate.Bounds(nbytes=room),
+    )
     modules = {
         id(sub): sub
-        for entry in discovery.of_type(found, torch.nn.Module)
-        for sub in entry.obj.modules()
+        for top in [*(e.obj for e in discovery.of_type(found, torch.nn.Module)), *python.modules]
+        for sub in top.modules()
     }
-    generators = [entry.obj for entry in discovery.of_type(found, torch.Generator)]
+    generators = {id(e.obj): e.obj for e in discovery.of_type(found, torch.Generator)}
     for entry in discovery.of_type(found, torch.utils.data.DataLoader):
         for owner in (entry.obj, getattr(entry.obj, "sampler", None)):
             generator = getattr(owner, "generator", None)
             if isinstance(generator, torch.Generator):
-                generators.append(generator)
+                generators[id(generator)] = generator
+    generators.update((id(g), g) for g in python.generators)
     stateful_types = (torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
     return Snapshot(
         namespace=namespace,
         bindings={k: v for k, v in namespace.items() if not k.startswith("_")},
-        tensors=[_TensorState.of(t) for t in _tensors_of(found)],
+        tensors=[_TensorState.of(t) for t in [*known, *python.tensors]],
         training_flags=[(m, m.training) for m in modules.values()],
         optimizers=[
             _OptimizerState.of(e.obj) for e in discovery.of_type(found, torch.optim.Optimizer)
@@ -375,9 +423,10 @@ def take(namespace: dict[str, Any], found: dict[int, discovery.Found]) -> Snapsh
         stateful=[
             _StateDictObject.of(e.obj) for e in found.values() if isinstance(e.obj, stateful_types)
         ],
-        rng=_RNGState.capture(generators),
+        rng=_RNGState.capture(generators.values()),
         switches=TorchSwitches.capture(),
         trainers=frameworks.TrainerState.take(namespace),
+        python=python,
     )
 
 
