@@ -437,3 +437,38 @@ def test_objects_the_walk_must_not_enter_are_left_alone(reads_first: bool):
     labels = {part.label for part in snap.parts}
     assert labels == set(), labels
     assert snap.modules == [model]
+
+
+def test_memory_files_get_their_contents_and_position_back():
+    import io
+
+    raw, text = io.BytesIO(b"abc"), io.StringIO("line\n")
+    raw.seek(1)
+    snapshot = _take({"raw": raw, "text": text})
+    raw.write(b"XYZ")
+    text.read()
+    text.write("more\n")
+    snapshot.restore()
+    assert (raw.getvalue(), raw.tell()) == (b"abc", 1)
+    assert (text.getvalue(), text.tell()) == ("line\n", 0)
+    assert snapshot.unrestorable_changes() == []  # in memory: nothing to name
+
+
+class Unreadable(collections.deque):
+    def __len__(self) -> int:
+        raise RuntimeError("no length here")
+
+
+def test_what_cannot_be_read_or_written_back_is_named_and_the_rest_restored():
+    broken, values, kept = Unreadable([1]), np.zeros(3), [1]
+    snapshot = _take({"broken": broken, "values": values, "kept": kept})
+    assert snapshot.not_covered == [
+        "`broken` (a Unreadable) was not snapshotted: reading it raised RuntimeError: no "
+        "length here"
+    ]
+    values += 1
+    values.flags.writeable = False  # the run left it read-only
+    kept.append(2)
+    snapshot.restore()
+    assert kept == [1]
+    assert snapshot.not_covered[1].startswith("`values` could not be put back (ValueError")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import array
 import ast
 import collections
-import contextlib
 import functools
 import io
 import operator
@@ -301,12 +300,11 @@ class _NDArray(_Part):
 
     def write(self) -> None:
         obj, saved = self.obj, self.saved
-        with contextlib.suppress(AttributeError, ValueError, TypeError):
-            if obj.dtype != saved.dtype and obj.itemsize == saved.itemsize:
-                obj.dtype = saved.dtype  # `arr.dtype = ...` reinterprets in place
-            if obj.shape != saved.shape and obj.size == saved.size:
-                obj.shape = saved.shape
-            np.copyto(obj, saved, casting="no")
+        if obj.dtype != saved.dtype and obj.itemsize == saved.itemsize:
+            obj.dtype = saved.dtype  # `arr.dtype = ...` reinterprets in place
+        if obj.shape != saved.shape and obj.size == saved.size:
+            obj.shape = saved.shape  # a view of other memory refuses, and is named
+        np.copyto(obj, saved, casting="no")
 
     restore = write
 
@@ -314,6 +312,32 @@ class _NDArray(_Part):
         # a write through numpy leaves no mark: passed over between runs, it is said
         # (`PyState.written_unseen`) and put back by the full restore at the end
         return (self.obj.shape, self.obj.dtype, self.obj.__array_interface__["data"][0])
+
+
+@dataclass
+class _MemoryFile(_Part):
+    """An io.BytesIO or io.StringIO: contents and position, through the state its pickling
+    reads and sets in place (a file on disk cannot be put back; one in memory can)."""
+
+    obj: io.BytesIO | io.StringIO
+    saved: tuple[Any, ...]
+    path: _Path
+
+    def __post_init__(self) -> None:
+        self.nbytes = len(self.saved[0])
+
+    def write(self) -> None:
+        if not self.obj.closed:  # a run that closed it: closed it stays
+            self.obj.__setstate__(self.saved)
+
+    restore = write
+
+
+def _memory_file_size(file: io.BytesIO | io.StringIO) -> int:
+    if isinstance(file, io.BytesIO):
+        with file.getbuffer() as view:  # no copy; released at once (it blocks resizing)
+            return view.nbytes
+    return len(file.getvalue())
 
 
 @dataclass
@@ -745,7 +769,13 @@ class _Walk:
                 return stopped
             self.seen.add(id(obj))
             self.objects += 1
-            stack.extend(self.visit(obj, path, watched))
+            try:
+                stack.extend(self.visit(obj, path, watched))
+            except Exception as error:  # a library object that cannot be read as it claims
+                self.not_covered.append(
+                    f"`{_label(path)}` (a {type(obj).__name__}) was not snapshotted: reading "
+                    f"it raised {type(error).__name__}: {error}"
+                )
         return None
 
     def fits(self, obj: Any, path: _Path, references: int = 0, nbytes: int = 0) -> bool:
@@ -782,6 +812,9 @@ class _Walk:
                     else "a DataLoader iterator"
                 )
                 self.markers.append(_Advancing(obj, _label(path), what, _position(obj)))
+        elif issubclass(cls, (io.BytesIO, io.StringIO)):
+            if not obj.closed and self.fits(obj, path, nbytes=_memory_file_size(obj)):
+                self.parts.append(_MemoryFile(obj, obj.__getstate__(), path))
         elif issubclass(cls, io.IOBase):
             if watched:
                 self.markers.append(_File.of(obj, _label(path)))
@@ -1015,7 +1048,8 @@ class PyState:
     tensors: list[torch.Tensor] = field(default_factory=list)
     modules: list[torch.nn.Module] = field(default_factory=list)
     generators: list[torch.Generator] = field(default_factory=list)
-    # what a bound left out, one line each, for the report's warnings
+    # what a bound left out, or a restore could not write back, one line each (for the
+    # report's warnings)
     not_covered: list[str] = field(default_factory=list)
     # after `note_unwritten`: the parts a run wrote, and those it left with their marks then
     written: list[_Part] | None = None
@@ -1027,16 +1061,23 @@ class PyState:
 
     def restore(self, written_only: bool = False) -> None:
         """Put every part back into its object; with `written_only`, pass over those noted
-        unwritten whose mark is unchanged."""
+        unwritten whose mark is unchanged. A part that cannot be written back (an array a
+        run made read-only) is named in `not_covered`; the others are restored all the
+        same."""
         if not written_only or self.written is None:
-            for part in self.parts:
+            due = self.parts
+        else:
+            due = [*self.written, *(p for p, mark in self.unwritten if p.mark() != mark)]
+        for part in due:
+            try:
                 part.restore()
-            return
-        for part in self.written:
-            part.restore()
-        for part, mark in self.unwritten:
-            if part.mark() != mark:
-                part.restore()
+            except Exception as error:
+                said = (
+                    f"`{part.label}` could not be put back ({type(error).__name__}: {error}), "
+                    "so what the measuring runs changed in it stays changed"
+                )
+                if said not in self.not_covered:
+                    self.not_covered.append(said)
 
     def note_unwritten(self) -> None:
         """After a run of the cell from this snapshot: note the containers it left exactly

@@ -283,8 +283,9 @@ class Snapshot:
 
     @property
     def not_covered(self) -> list[str]:
-        """Python objects a bound of the snapshot left out, one line each (for the
-        report's warnings): what the measuring runs change in them stays changed."""
+        """Python objects a bound of the snapshot left out, or a restore could not write
+        back, one line each (for the report's warnings): what the measuring runs change in
+        them stays changed."""
         return list(self.python.not_covered) if self.python is not None else []
 
     def unrestorable_changes(self) -> list[str]:
