@@ -347,6 +347,23 @@ def test_the_names_the_cell_reads_are_covered_first_when_a_bound_stops_the_walk(
     assert ns["lossi"] == []
 
 
+def test_a_big_dataset_the_cell_reads_does_not_use_up_the_bounds_before_lossi():
+    """The walk goes breadth first: `lossi` is taken before the dataset's rows."""
+    ns = {"dataset": [[i] for i in range(100)], "lossi": []}
+    cell = "for row in dataset:\n    lossi.append(row[0])\n"
+    reads = pystate.cell_reads(cell, ns)
+    assert reads == ["dataset", "lossi"]
+    snap = pystate.take(ns, reads, bounds=pystate.Bounds(objects=20))
+    (said,) = snap.not_covered
+    assert (
+        "stopped at its bound of 20 objects: some objects reachable from `dataset` were left"
+        in said
+    )
+    exec(cell, ns)
+    snap.restore()
+    assert ns["lossi"] == []
+
+
 def test_a_walk_past_its_time_bound_names_what_it_left():
     ns = {f"name{i}": [[i] for _ in range(50)] for i in range(200)}
     started = time.perf_counter()

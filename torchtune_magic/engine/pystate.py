@@ -748,6 +748,7 @@ class _Walk:
         self.not_covered: list[str] = []
         self.seen: set[int] = set()
         self.objects = self.references = self.nbytes = 0
+        self.stopped: str | None = None  # the bound that stopped the walk
         self.deadline = time.perf_counter() + bounds.seconds
 
     def out_of_bounds(self) -> str | None:
@@ -757,26 +758,32 @@ class _Walk:
             return f"its bound of {self.bounds.seconds:g} s"
         return None
 
-    def walk(self, name: str, value: Any, watched: bool) -> str | None:
-        """Walk everything `name` reaches; why the walk had to stop, if it did."""
-        stack: list[tuple[Any, _Path]] = [(value, (None, name, "name"))]
-        while stack:
-            obj, path = stack.pop()
+    def walk(self, names: list[str], watched: set[str]) -> list[str]:
+        """Walk what `names` reach, breadth first: every name's own container is taken
+        before what it holds, so a big dataset the cell reads cannot use up the bounds
+        before the small `lossi` next to it. The names whose objects a bound stopped it
+        short of, if it did (`stopped` says which bound)."""
+        queue = collections.deque((self.namespace[n], (None, n, "name"), n) for n in names)
+        while queue:
+            obj, path, root = queue.popleft()
             if id(obj) in self.seen:
                 continue
-            stopped = self.out_of_bounds()
-            if stopped is not None:
-                return stopped
+            self.stopped = self.out_of_bounds()
+            if self.stopped is not None:
+                queue.appendleft((obj, path, root))
+                return list(dict.fromkeys(root for _, _, root in queue))
             self.seen.add(id(obj))
             self.objects += 1
             try:
-                stack.extend(self.visit(obj, path, watched))
+                children = self.visit(obj, path, root in watched)
             except Exception as error:  # a library object that cannot be read as it claims
                 self.not_covered.append(
                     f"`{_label(path)}` (a {type(obj).__name__}) was not snapshotted: reading "
                     f"it raised {type(error).__name__}: {error}"
                 )
-        return None
+                continue
+            queue.extend((child, at, root) for child, at in children)
+        return []
 
     def fits(self, obj: Any, path: _Path, references: int = 0, nbytes: int = 0) -> bool:
         """Count a copy against the bounds; one that does not fit is named instead."""
@@ -1135,20 +1142,20 @@ def take(
         and not isinstance(value, types.ModuleType)
     ]
     if reads is None:
-        ordered, watched = names, set(names)
+        groups, watched = [names], set(names)
     else:
         watched = set(reads).intersection(names)
-        ordered = [*(n for n in reads if n in watched), *(n for n in names if n not in watched)]
-    for index, name in enumerate(ordered):
-        stopped = walk.walk(name, namespace[name], name in watched)
-        if stopped is not None:
-            left = ordered[index:]
+        groups = [[n for n in reads if n in watched], [n for n in names if n not in watched]]
+    for index, group in enumerate(groups):
+        left = walk.walk(group, watched)
+        if walk.stopped is not None:
+            left += [name for later in groups[index + 1 :] for name in later]
             shown = ", ".join(f"`{n}`" for n in left[:8])
             more = f" and {len(left) - 8} more" if len(left) > 8 else ""
             walk.not_covered.append(
-                f"the snapshot of Python objects stopped at {stopped}: {shown}{more} "
-                "(not covered, or not all of it), so what the measuring runs change in "
-                "them stays changed"
+                f"the snapshot of Python objects stopped at {walk.stopped}: some objects "
+                f"reachable from {shown}{more} were left out, so what the measuring runs change "
+                "in them stays changed"
             )
             break
     return PyState(
