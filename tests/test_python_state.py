@@ -338,6 +338,10 @@ def test_the_names_the_cell_reads_are_covered_first_when_a_bound_stops_the_walk(
     ns["lossi"] = []
     reads = pystate.cell_reads("train()\n", ns)
     assert reads == ["train", "lossi"]
+    # through a notebook class's methods too: calling `model` reads the global `scale`
+    exec("class Model:\n    def __call__(self, x):\n        return x * scale[0]\n", ns)
+    ns["model"], ns["scale"] = ns["Model"](), [2]
+    assert pystate.cell_reads("y = model(1)\n", ns) == ["model", "scale"]
     snap = pystate.take(ns, reads, bounds=pystate.Bounds(objects=5))
     (said,) = snap.not_covered
     assert "stopped at its bound of 5 objects" in said and "`other" in said

@@ -32,6 +32,7 @@ import functools
 import io
 import operator
 import random
+import reprlib
 import socket
 import time
 import types
@@ -53,6 +54,11 @@ except ImportError:  # pragma: no cover - numpy is a declared dependency
 # What a snapshot takes of free host memory for copies of arrays and tensors it finds
 # (beyond those the state guard found itself), as the session does for the whole snapshot.
 SHARE_OF_FREE_MEMORY = 0.25
+
+# Containers up to this many references (or bytes) are written back on every restore: as
+# cheap as reading a mark, and exact. Bigger ones the probe's run left as they were are
+# passed over between runs while their mark is unchanged (`PyState.note_unwritten`).
+SKIP_ABOVE = 256
 
 # Packages whose objects are not walked: torch's are kept by the state guard's own rules,
 # the frameworks' by `frameworks.py`, IPython's and ours are not the user's state, and the
@@ -103,8 +109,8 @@ class Bounds:
 class _Part:
     """One object's saved contents. `holds_start` says, exactly, whether the object still
     holds them; `restore` writes them back into the object itself where it does not;
-    `mark` is a cheap reading (a length, the ends) that the usual writes to a container
-    change, or None where there is none worth taking."""
+    `mark` is a cheap reading (a length, the ends) that the usual writes to a big container
+    change, or None where restoring costs no more than reading one."""
 
     path: _Path  # where it is bound, written out only to name it (`label`)
     size: int = 0  # references held
@@ -153,6 +159,8 @@ class _List(_Part):
 
     def mark(self) -> Any:
         obj = self.obj
+        if self.size <= SKIP_ABOVE:
+            return None
         return (list.__len__(obj), id(obj[0]), id(obj[-1])) if obj else 0
 
 
@@ -177,6 +185,8 @@ class _Deque(_Part):
 
     def mark(self) -> Any:
         obj = self.obj
+        if self.size <= SKIP_ABOVE:
+            return None
         return (len(obj), id(obj[0]), id(obj[-1])) if obj else 0
 
 
@@ -226,7 +236,7 @@ class _Dict(_Part):
             obj.default_factory = self.factory
 
     def mark(self) -> Any:
-        return dict.__len__(self.obj)
+        return dict.__len__(self.obj) if self.size > SKIP_ABOVE else None
 
 
 @dataclass
@@ -249,7 +259,7 @@ class _Set(_Part):
         set.update(self.obj, self.saved)
 
     def mark(self) -> Any:
-        return set.__len__(self.obj)
+        return set.__len__(self.obj) if self.size > SKIP_ABOVE else None
 
 
 @dataclass
@@ -273,7 +283,7 @@ class _Buffer(_Part):
     restore = write  # copying bytes back costs what comparing them would
 
     def mark(self) -> Any:
-        return len(self.obj)
+        return len(self.obj) if self.nbytes > SKIP_ABOVE else None
 
 
 @dataclass
@@ -311,6 +321,8 @@ class _NDArray(_Part):
     def mark(self) -> Any:
         # a write through numpy leaves no mark: passed over between runs, it is said
         # (`PyState.written_unseen`) and put back by the full restore at the end
+        if self.nbytes <= SKIP_ABOVE:
+            return None
         return (self.obj.shape, self.obj.dtype, self.obj.__array_interface__["data"][0])
 
 
@@ -673,11 +685,14 @@ def _file_position(file: Any) -> tuple[bool, int | None]:
 
 
 def _label(path: _Path) -> str:
+    """`layers[3].out`: where an object is bound, as the user would write it."""
     steps = []
     node: Any = path
     while node is not None:
         node, key, kind = node
-        steps.append(key if kind == "name" else f".{key}" if kind == "attr" else f"[{key!r}]")
+        # a user's key: reprlib keeps a long one short, and one whose repr raises readable
+        index = f"[{reprlib.repr(key)}]"
+        steps.append(key if kind == "name" else f".{key}" if kind == "attr" else index)
     return "".join(reversed(steps))
 
 
@@ -1087,11 +1102,12 @@ class PyState:
                     self.not_covered.append(said)
 
     def note_unwritten(self) -> None:
-        """After a run of the cell from this snapshot: note the containers it left exactly
-        as they were (a word list, a vocabulary, a dataset array the cell only reads), with
-        their marks. Restores between measuring runs pass over them while their mark (a
-        length and the items at the ends, an array's buffer) is unchanged: comparing a
-        32k-word list item by item costs ~1 ms a run, a mark a fraction of a microsecond."""
+        """After a run of the cell from this snapshot: note the big containers (over
+        SKIP_ABOVE references or bytes) it left exactly as they were (a word list, a
+        vocabulary, a dataset array the cell only reads), with their marks. Restores
+        between measuring runs pass over them while their mark (a length and the items at
+        the ends, an array's buffer) is unchanged: comparing a 32k-word list item by item
+        costs ~1 ms a run, a mark a fraction of a microsecond."""
         self.written, self.unwritten = [], []
         for part in self.parts:
             mark = part.mark()
