@@ -246,7 +246,7 @@ class Layer:
 
 
 class Point:
-    __slots__ = ("x", "y")
+    __slots__ = ("__z", "x", "y")  # `__z` is stored as `_Point__z`
 
     def __init__(self) -> None:
         self.x = 1
@@ -287,7 +287,7 @@ def test_attributes_slots_module_attributes_closures_and_class_attributes():
 
     layer.running_mean = 0.9 * layer.running_mean + 0.1  # rebound, not written in place
     layer.out = torch.ones(1)
-    point.x, point.y = 5, 6
+    point.x, point.y, point._Point__z = 5, 6, 7
     model(torch.randn(1, 2))
     model.eval()
     step()
@@ -295,7 +295,7 @@ def test_attributes_slots_module_attributes_closures_and_class_attributes():
     snapshot.restore()
 
     assert layer.running_mean is mean and not hasattr(layer, "out")
-    assert point.x == 1 and not hasattr(point, "y")
+    assert point.x == 1 and not hasattr(point, "y") and not hasattr(point, "_Point__z")
     assert model.calls == 0 and not hasattr(model, "out") and model.training
     assert {k: v for k, v in vars(model).items() if k.startswith("_")} == internals
     assert step.__closure__[0].cell_contents == 0
@@ -406,6 +406,18 @@ def test_generators_iterators_and_files_the_cell_advances_are_named(tmp_path: Pa
     assert read.startswith("`reader` (a file open for reading) was read by the cell")
     log.close()
     reader.close()
+
+
+def test_an_iterator_whose_position_cannot_be_read_is_named_all_the_same():
+    import csv
+    import io
+
+    rows = csv.reader(io.StringIO("a\nb\n"))  # no length hint, no pickled state
+    snapshot = _take({"rows": rows}, "header = rows\n")
+    (said,) = snapshot.unrestorable_changes()
+    assert said.startswith(
+        "`rows` (an iterator bound before the cell) has a position perfcheck cannot read"
+    )
 
 
 def test_a_generator_the_cell_only_reads_about_is_not_named():

@@ -84,7 +84,9 @@ _ATOMIC: frozenset[type] = frozenset(
     }
 )  # fmt: skip
 _ABSENT = object()  # an attribute, slot or closure cell that holds nothing
-_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python code
+# A class statement makes a heap type that is not immutable; C types are static, or heap
+# types made immutable (`_csv.reader`, `functools.partial` in 3.11).
+_HEAPTYPE, _IMMUTABLETYPE = 1 << 9, 1 << 8  # Py_TPFLAGS_*
 _MODULE_ATTRIBUTES = frozenset({"training"})  # set by torch's Module, restored elsewhere
 
 
@@ -547,7 +549,7 @@ class _Advancing(_Marker):
     def change(self) -> str | None:
         head = f"`{self.label}` ({self.what} bound before the cell)"
         tail = "cannot be rewound, so re-running the cell would consume more of it"
-        if self.before is None:
+        if self.before is _UNREAD:
             return (
                 f"{head} has a position perfcheck cannot read: if the cell advances it, it {tail}"
             )
@@ -619,7 +621,7 @@ def _position(obj: Any, depth: int = 0) -> Any:
     """Where an iterator or generator stands, as far as can be read: a generator's
     instruction and locals (its state lives in its frame), a builtin iterator's remaining
     length or else its pickled state, a DataLoader iterator's batch count; the iterators it
-    draws from are read in turn. None when nothing can be read."""
+    draws from are read in turn. `_UNREAD` when nothing can be read."""
     if type(obj) is tuple:  # pickled state nests its parts in tuples
         return tuple(_position(part, depth) for part in obj)
     if isinstance(obj, types.GeneratorType):
@@ -637,16 +639,22 @@ def _position(obj: Any, depth: int = 0) -> Any:
     left = operator.length_hint(obj, -1)
     if left >= 0:
         return ("left", left)
+    if (
+        type(obj).__reduce_ex__ is object.__reduce_ex__
+        and type(obj).__reduce__ is object.__reduce__
+    ):
+        return _UNREAD  # object's own pickling knows nothing of a position (csv.reader)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # pickling itertools, 3.12+
             reduced = obj.__reduce__()
     except Exception:
-        return None
+        return _UNREAD
     return _position(tuple(reduced[1:]), depth + 1)
 
 
 _POSITION_DEPTH = 3
+_UNREAD = object()  # a position that cannot be read: never known to be unchanged
 
 
 def _advances(obj: Any) -> bool:
@@ -655,20 +663,14 @@ def _advances(obj: Any) -> bool:
 
 
 def _same_position(a: Any, b: Any) -> bool:
-    """Positions compared: numbers and names by value, objects by identity; a part that
-    could not be read is never known to be unchanged."""
-    if a is None or b is None:
+    """Positions compared: numbers and names by value, other objects by identity; a part
+    that could not be read is never known to be unchanged."""
+    if a is _UNREAD or b is _UNREAD:
         return False
     if type(a) is tuple:
-        return type(b) is tuple and len(a) == len(b) and all(map(_same_part, a, b))
-    return a is b
-
-
-def _same_part(a: Any, b: Any) -> bool:
+        return type(b) is tuple and len(a) == len(b) and all(map(_same_position, a, b))
     if type(a) in (int, str, bool) and type(b) is type(a):
         return a == b
-    if type(a) is tuple:
-        return _same_position(a, b)
     return a is b
 
 
@@ -701,18 +703,24 @@ def _root(cls: type) -> str:
 
 
 def _is_python_class(cls: type) -> bool:
-    return bool(cls.__flags__ & _HEAPTYPE)
+    return cls.__flags__ & (_HEAPTYPE | _IMMUTABLETYPE) == _HEAPTYPE
 
 
-@functools.lru_cache(maxsize=1024)
-def _slot_descriptors(cls: type) -> tuple[Any, ...]:
-    return tuple(
-        value
-        for klass in cls.__mro__
-        if _is_python_class(klass)
-        for value in vars(klass).values()
-        if isinstance(value, types.MemberDescriptorType) and value.__objclass__ is klass
-    )
+def _slot_descriptors(cls: type) -> list[Any]:
+    """The descriptors of the `__slots__` Python classes in `cls`'s MRO declare (not a C
+    type's members, which are often read-only)."""
+    found = []
+    for klass in cls.__mro__:
+        declared = vars(klass).get("__slots__")
+        if declared is None or not _is_python_class(klass):
+            continue
+        for name in [declared] if isinstance(declared, str) else list(declared):
+            if name.startswith("__") and not name.endswith("__"):  # private: name-mangled
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            descriptor = vars(klass).get(name)
+            if isinstance(descriptor, types.MemberDescriptorType):
+                found.append(descriptor)
+    return found
 
 
 def _instance_dict(obj: Any) -> dict[str, Any] | None:
@@ -762,6 +770,7 @@ class _Walk:
         self.generators: list[torch.Generator] = []
         self.not_covered: list[str] = []
         self.seen: set[int] = set()
+        self.slots: dict[type, list[Any]] = {}  # `_slot_descriptors`, once per class
         self.objects = self.references = self.nbytes = 0
         self.stopped: str | None = None  # the bound that stopped the walk
         self.deadline = time.perf_counter() + bounds.seconds
@@ -963,7 +972,9 @@ class _Walk:
             saved = dict.copy(found)
             self.parts.append(_Attributes(obj, saved, path))
             children = [(v, (path, k, "attr")) for k, v in saved.items() if type(v) not in _ATOMIC]
-        descriptors = _slot_descriptors(cls)
+        descriptors = self.slots.get(cls)
+        if descriptors is None:
+            descriptors = self.slots[cls] = _slot_descriptors(cls)
         if descriptors and self.fits(obj, path, references=len(descriptors)):
             slots = [(d, _slot_value(d, obj)) for d in descriptors]
             self.parts.append(_Slots(obj, slots, path))
