@@ -320,16 +320,17 @@ class Snapshot:
         ]
 
     def written_unseen_objects(self) -> list[str]:
-        """Python objects passed over between runs (`note_unwritten`: large ones the probe's
-        run left as they were, whose length is unchanged) that no longer hold their start
-        contents, by where they are bound: an element replaced in place, a numpy array
-        written, so the runs after that write started from it. A full `restore()` still
-        puts them back."""
+        """Python containers passed over between runs (`note_unwritten`: big ones the
+        probe's run left as they were, while their length and end items are unchanged)
+        that no longer hold their start contents, by where they are bound: an item replaced
+        in place, a numpy array written, so the runs after that write started from it. A
+        full `restore()` still puts them back."""
         return self.python.written_unseen() if self.python is not None else []
 
     def restore(self, written_only: bool = False) -> None:
         """Rebind names, then write values back into the same objects; with `written_only`,
-        not into tensors noted unwritten whose marks are unchanged (`note_unwritten`)."""
+        not into tensors or big Python containers noted unwritten whose marks are unchanged
+        (`note_unwritten`)."""
         ns = self.namespace
         for name in [n for n in ns if n not in self.bindings and not n.startswith("_")]:
             del ns[name]
