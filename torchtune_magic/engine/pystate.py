@@ -109,17 +109,18 @@ class Bounds:
 
 
 class _Part:
-    """One object's saved contents. `holds_start` says, exactly, whether the object still
-    holds them; `restore` writes them back into the object itself where it does not;
-    `mark` is a cheap reading (a length, the ends) that the usual writes to a big container
-    change, or None where restoring costs no more than reading one."""
+    """One object's saved contents. `write` puts them back into the object itself;
+    `restore` does where `holds_start` says, exactly, that the object no longer holds them
+    (parts whose writing is cheaper than comparing write unconditionally); `mark` is a
+    cheap reading (a length, the ends) that the usual writes to a big container change, or
+    None where restoring costs no more than reading one."""
 
     path: _Path  # where it is bound, written out only to name it (`label`)
     size: int = 0  # references held
     nbytes: int = 0  # bytes of array copies held
 
     def holds_start(self) -> bool:
-        return False  # not known to: restored every time
+        raise NotImplementedError
 
     def write(self) -> None:
         raise NotImplementedError
