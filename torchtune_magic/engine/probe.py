@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import allocator, discovery, graphs, memory
+from . import allocator, discovery, graphs, loops, memory
 from .fixes import Patcher
 from .steps import StepLimitReached
 from .workload import CellError, Workload, synchronize
@@ -44,7 +44,9 @@ SYNC_METHODS = (
 PROFILER_NAMES = frozenset({"profile", "profiler", "emit_nvtx", "emit_itt", "record_function"})
 PROBE_MIN_STEPS = 3  # a probe stopped early has seen at least this many steps (zeroed grads
 # show from the second backward on, a loader's wait needs a few batches)
-STEP_UNITS = ("batch", "optimizer step", "forward")  # in order of preference as the step
+# in order of preference as the step; an "iteration" is one of the cell's own loops
+# (`engine/loops`), for cells with no loader, optimizer or module to mark their steps
+STEP_UNITS = ("batch", "optimizer step", "forward", "iteration")
 
 
 @dataclass
@@ -83,7 +85,7 @@ class StepTrace:
     module) ended a step in the probe, and when (seconds from the start of the run)."""
 
     unit: str  # one of STEP_UNITS
-    obj: Any  # the DataLoader, optimizer or module
+    obj: Any  # the DataLoader, optimizer, module or loop (`loops.Loop`)
     count: int = 0
     first_s: float | None = None  # end of the first step
     last_s: float | None = None  # end of the latest step
@@ -188,13 +190,25 @@ class Observation:
 
     def leading_step(self) -> StepTrace | None:
         """The cell's step: batches of the loader that gave the most, else the optimizer
-        that stepped most, else the module with the most top-level forwards (at least two
-        of them; the first seen wins a tie)."""
+        that stepped most, else the module with the most top-level forwards, else an
+        iteration of the cell's own loop (`_leading_loop`); at least two of them, the
+        first seen wins a tie."""
         for unit in STEP_UNITS:
             traces = [t for t in self.step_traces.values() if t.unit == unit and t.count >= 2]
+            if traces and unit == "iteration":
+                return self._leading_loop(traces)
             if traces:
                 return max(traces, key=lambda t: t.count)
         return None
+
+    def _leading_loop(self, traces: list[StepTrace]) -> StepTrace:
+        """Of the cell's loops, the one whose iterations are its steps: the innermost loop
+        around the lines that called backward (one training step an iteration), else the
+        loop that iterated most (in a nest, the inner one)."""
+        training = [t for t in traces if any(t.obj.encloses(line) for line in self.backward_lines)]
+        if training:
+            return max(training, key=lambda t: t.obj.depth)
+        return max(traces, key=lambda t: t.count)
 
     @property
     def tree(self) -> ast.Module:
@@ -259,6 +273,8 @@ class _Recorder:
         self.started = time.perf_counter()
         self.stop_after_s: float | None = None  # stop at a step boundary after this long
         self.roots = graphs.RootWatcher(obs.workload, obs.graph_sites)
+        self.loops = {loop.key: loop for loop in loops.loops_of(obs.workload.tree)}
+        self.iterations: dict[str, int] = {}  # iterations begun, by loop key
 
     # steps --------------------------------------------------------------------------------
     def step_boundary(self, unit: str, obj: Any, ended: int) -> None:
@@ -293,6 +309,16 @@ class _Recorder:
 
     def line(self) -> int | None:
         return self.obs.workload.cell_line()
+
+    def loop_iteration(self, key: str) -> None:
+        """An iteration of one of the cell's loops begins: the one before it has ended."""
+        loop = self.loops.get(key)
+        if loop is None:
+            return
+        begun = self.iterations.get(key, 0)
+        self.trace("iteration", loop).lines.add(loop.line)
+        self.step_boundary("iteration", loop, begun)
+        self.iterations[key] = begun + 1
 
     # module hooks -------------------------------------------------------------------------
     def forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -612,7 +638,7 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
         )
         _patch_gradcheck(patcher, recorder, namespace)
         _patch_profiler_entries(patcher, recorder)
-        with _function_spans(recorder):
+        with _function_spans(recorder), loops.listening(recorder.loop_iteration):
             yield
     finally:
         for handle in handles:
@@ -671,7 +697,7 @@ def _run_until_stopped(workload: Workload, recorder: _Recorder) -> float:
     __tracebackhide__ = True
     recorder.started = time.perf_counter()
     try:
-        return workload.run()
+        return workload.run(loop_keys=loops.EVERY)
     except StepLimitReached:
         synchronize()
         return time.perf_counter() - recorder.started
@@ -726,10 +752,12 @@ def run(
             obs.wall_s = _run_until_stopped(workload, recorder)
         obs.peak_memory = tracker.peak
     obs.anomaly_at_end = torch.is_anomaly_enabled()
-    if not obs.stopped_early:  # a forward's step ends when the next one starts: the last
-        for trace in obs.step_traces.values():  # ended with the run
+    if not obs.stopped_early:  # a forward's (an iteration's) step ends when the next one
+        for trace in obs.step_traces.values():  # starts: the last ended with the run
             if trace.unit == "forward":
                 trace.count = obs.modules[id(trace.obj)].outer_calls
+            elif trace.unit == "iteration":
+                trace.count = recorder.iterations.get(trace.obj.key, 0)
     if allocator.reports_faults():
         obs.minor_faults = allocator.minor_faults() - faults_before
     for key, entry in discovery.walk(workload.namespace).items():

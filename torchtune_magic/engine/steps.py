@@ -40,6 +40,7 @@ user code that catches `Exception` does not swallow it; the runner catches it.
 from __future__ import annotations
 
 import ast
+import bisect
 import contextlib
 import itertools
 import math
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import frameworks
+from . import frameworks, loops
 from .fixes import Patcher
 from .workload import synchronize
 
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 WARMUP_STEPS = 2
 MIN_TIMED_STEPS = 3
-TARGET_ROUNDS = 3  # timed rounds a sampled measurement plans for
+TARGET_ROUNDS = 8  # paired rounds a sampled measurement plans for (7 give a 98% interval)
 PROFILED_RUN_COST = 2.0  # a run under the memory profiler costs about this many plain runs
 PROFILED_STEPS = 2  # profiled runs (peak memory, FLOPs) stop after this many steps
 
@@ -76,18 +77,27 @@ class StepSource:
     a rebuilt loader shares the dataset, a rebuilt optimizer the parameters, a compiled
     model wraps the module."""
 
-    unit: str  # "batch" | "optimizer step" | "forward"
-    label: str  # the object as the user names it: `train_loader`, `opt`, `model`
-    key: Any  # dataset (batch), first parameter (optimizer step), module (forward)
+    unit: str  # "batch" | "optimizer step" | "forward" | "iteration"
+    label: str  # as the user names it: `train_loader`, `opt`, `model`, `for i in range(n)`
+    # dataset (batch), first parameter (optimizer step), module (forward), loop key (iteration)
+    key: Any
     line: int | None = None  # the cell line the steps are issued from
 
     def matches(self, obj: Any) -> bool:
-        """Whether a loader iterator / optimizer / module belongs to this source."""
+        """Whether a loader iterator / optimizer / module / loop key belongs to this source."""
         if self.unit == "batch":
             return getattr(obj, "_dataset", None) is self.key
         if self.unit == "optimizer step":
             return first_parameter(obj) is self.key
+        if self.unit == "iteration":
+            return obj == self.key
         return obj is self.key or getattr(obj, "_orig_mod", None) is self.key
+
+    @property
+    def loop_keys(self) -> frozenset[str]:
+        """The loops a run must report iterations of for these steps to be counted (the
+        cell compiled with `engine/loops`' hook in them); none for the other units."""
+        return frozenset({self.key}) if self.unit == "iteration" else frozenset()
 
 
 def first_parameter(optimizer: Any) -> torch.Tensor | None:
@@ -158,9 +168,11 @@ class StepCounter:
     next epoch within the timed steps. Only the first such epoch of a run is cut.
 
     Boundaries: a batch's step ends when the next batch is asked for; an optimizer step's
-    when `step()` returns; a forward's when the next top-level forward starts. The hooks
-    run outside compiled code (a DataLoader iterator, Optimizer.step, the outer module
-    call), so a compiled model or function still counts."""
+    when `step()` returns; a forward's when the next top-level forward starts; a loop
+    iteration's when the next one begins (the run must execute the cell with that loop
+    instrumented: `StepSource.loop_keys`). The hooks run outside compiled code (a
+    DataLoader iterator, Optimizer.step, the outer module call, the cell's own loop), so a
+    compiled model or function still counts."""
 
     def __init__(
         self,
@@ -183,6 +195,7 @@ class StepCounter:
         self.times = StepTimes()
         patcher = Patcher()
         handles: list[Any] = []
+        stack = contextlib.ExitStack()
         try:
             if self.source.unit == "batch":
                 original = _BaseDataLoaderIter.__next__
@@ -191,12 +204,15 @@ class StepCounter:
                 from torch.optim.optimizer import register_optimizer_step_post_hook
 
                 handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
+            elif self.source.unit == "iteration":
+                stack.enter_context(loops.listening(self._before_iteration))
             else:
                 from torch.nn.modules.module import register_module_forward_pre_hook
 
                 handles.append(register_module_forward_pre_hook(self._before_forward))
             yield self.times
         finally:
+            stack.close()
             for handle in handles:
                 handle.remove()
             patcher.undo()
@@ -270,6 +286,11 @@ class StepCounter:
             return
         self._boundary()
         self._stepped()
+
+    def _before_iteration(self, key: str) -> None:
+        if self.source.matches(key):
+            self._boundary()
+            self._stepped()
 
 
 # how many steps one complete run has ------------------------------------------------------
@@ -401,7 +422,8 @@ def loop_total(
 ) -> tuple[int | None, list[str]]:
     """Times the cell's loops around `line` run it, times `per_pass` (steps each time the
     line runs, e.g. batches per epoch when the line iterates a loader), and the parts of
-    that product as text. A loop over `iterated` itself counts as `per_pass`, not again."""
+    that product as text. A loop over `iterated` itself counts as `per_pass`, not again.
+    A loop that can `break` counts the iterations that run before it does (`_broken_at`)."""
     if line is None:
         return None, ["the line that issues the steps is not in the cell"]
     total = 1
@@ -410,16 +432,159 @@ def loop_total(
         if isinstance(loop, ast.While):
             return None, [f"a while loop at cell line {loop.lineno} (its trip count is unknown)"]
         trips, value = _trips(loop.iter, namespace)
-        if iterated is not None and value is iterated:
-            continue  # the loop over the loader itself: that is per_pass
+        own = iterated is not None and value is iterated  # the loop over the loader itself
+        if own:
+            trips = per_pass
         if trips is None:
             text = ast.unparse(loop.iter)
             return None, [f"`for … in {text}` at cell line {loop.lineno} has no known length"]
-        total *= trips
-        parts.append(f"{trips} x `{ast.unparse(loop.iter)}` (cell line {loop.lineno})")
+        broken, why = _broken_at(loop, trips, namespace)
+        if why is not None:
+            return None, [why]
+        if own:
+            per_pass = broken
+            continue
+        total *= broken
+        ended = f", ended by the break at cell line {_break_line(loop)}" if broken < trips else ""
+        parts.append(f"{broken} x `{ast.unparse(loop.iter)}` (cell line {loop.lineno}{ended})")
     if per_pass is not None:
         total *= per_pass
     return total, parts
+
+
+def _own_breaks(loop: ast.For | ast.While) -> list[ast.Break]:
+    """The `break` statements that end this loop (not a nested loop, not a function)."""
+    found: list[ast.Break] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Break):
+                found.append(child)
+            elif not isinstance(child, (*_SCOPES, ast.For, ast.AsyncFor, ast.While)):
+                visit(child)
+
+    for statement in loop.body:
+        visit(statement) if not isinstance(statement, ast.Break) else found.append(statement)
+    return found
+
+
+def _break_line(loop: ast.For | ast.While) -> int | None:
+    breaks = _own_breaks(loop)
+    return breaks[0].lineno if breaks else None
+
+
+def _broken_at(loop: ast.For, trips: int, namespace: dict[str, Any]) -> tuple[int, str | None]:
+    """The iterations of a `for` loop of `trips` that run, its `break`s counted: each
+    `if <index> <op> <int>: break` in its body (`for i in range(...)`, or the index of
+    `for i, x in enumerate(...)`) ends it at the first index that meets the condition, and
+    that iteration runs (the step counted at its start). A `break` on anything else makes
+    the count unknown: (trips, why)."""
+    breaks = _own_breaks(loop)
+    if not breaks:
+        return trips, None
+    values = _index_values(loop, trips, namespace)
+    ended = trips
+    for statement in _break_ifs(loop.body):
+        first = None if values is None else _first_meeting(statement.test, values, loop, namespace)
+        if first is None:
+            return trips, (
+                f"the `break` at cell line {statement.body[0].lineno} can end "
+                f"`{loops.header_of(loop)}` (cell line {loop.lineno}) early"
+            )
+        ended = min(ended, first + 1)
+    if len(breaks) > len(list(_break_ifs(loop.body))):
+        line = next(b.lineno for b in breaks)
+        return trips, (
+            f"the `break` at cell line {line} can end `{loops.header_of(loop)}` "
+            f"(cell line {loop.lineno}) early"
+        )
+    return ended, None
+
+
+def _break_ifs(body: list[ast.stmt]) -> list[ast.If]:
+    """`if <test>: break` statements directly in a loop's body."""
+    return [
+        statement
+        for statement in body
+        if isinstance(statement, ast.If)
+        and not statement.orelse
+        and len(statement.body) == 1
+        and isinstance(statement.body[0], ast.Break)
+    ]
+
+
+def _index_values(loop: ast.For, trips: int, namespace: dict[str, Any]) -> range | None:
+    """The values the loop's index takes: `range(...)` itself, or `enumerate`'s count."""
+    if isinstance(loop.target, ast.Name) and _is_call_of(loop.iter, "range"):
+        values = [_int_value(arg, namespace) for arg in loop.iter.args]  # type: ignore[attr-defined]
+        if all(v is not None for v in values) and values:
+            return range(*values)  # type: ignore[arg-type]
+    if (
+        isinstance(loop.target, ast.Tuple)
+        and loop.target.elts
+        and isinstance(loop.target.elts[0], ast.Name)
+        and _is_call_of(loop.iter, "enumerate")
+    ):
+        call: ast.Call = loop.iter  # type: ignore[assignment]
+        start_node = (
+            call.args[1]
+            if len(call.args) > 1
+            else next((k.value for k in call.keywords if k.arg == "start"), None)
+        )
+        start = 0 if start_node is None else _int_value(start_node, namespace)
+        return range(start, start + trips) if start is not None else None
+    return None
+
+
+def _index_name(loop: ast.For) -> str | None:
+    target = loop.target
+    if isinstance(target, ast.Tuple) and target.elts:
+        target = target.elts[0]
+    return target.id if isinstance(target, ast.Name) else None
+
+
+_COMPARE: dict[type, Callable[[int, int], bool]] = {
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Eq: lambda a, b: a == b,
+}
+
+
+def _first_meeting(
+    test: ast.expr, values: range, loop: ast.For, namespace: dict[str, Any]
+) -> int | None:
+    """The first position in `values` where `index <op> bound` holds (either side), or
+    `len(values)` when it never does; None for any other condition."""
+    name = _index_name(loop)
+    if (
+        name is None
+        or not isinstance(test, ast.Compare)
+        or len(test.ops) != 1
+        or type(test.ops[0]) not in _COMPARE
+    ):
+        return None
+    left, right = test.left, test.comparators[0]
+    compare = _COMPARE[type(test.ops[0])]
+    if isinstance(left, ast.Name) and left.id == name:
+        bound = _int_value(right, namespace)
+        holds = None if bound is None else (lambda v: compare(v, bound))
+    elif isinstance(right, ast.Name) and right.id == name:
+        bound = _int_value(left, namespace)
+        holds = None if bound is None else (lambda v: compare(bound, v))
+    else:
+        return None
+    if holds is None:
+        return None
+    if isinstance(test.ops[0], ast.Eq):
+        return values.index(bound) if bound in values else len(values)
+    # a comparison with a bound is monotonic along a range: find where it starts to hold
+    if not values or holds(values[0]):
+        return 0
+    if not holds(values[-1]):
+        return len(values)
+    return bisect.bisect_left(range(len(values)), True, key=lambda k: holds(values[k]))
 
 
 # how long to sample ---------------------------------------------------------------------------
@@ -530,6 +695,8 @@ def source_of(obs: Observation, trace: StepTrace) -> StepSource:
         return StepSource("batch", label, obj.dataset, line)
     if trace.unit == "optimizer step":
         return StepSource("optimizer step", label, first_parameter(obj), line)
+    if trace.unit == "iteration":
+        return StepSource("iteration", obj.describe(), obj.key, obj.line)
     return StepSource("forward", label, obj, line)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import history
+from . import history, loops
 from .fixes import Patcher
 from .plain_stack import PlainStack
 
@@ -89,7 +89,7 @@ class Workload:
     # where the cell sits in the notebook (its text as typed, execution count, the kernel's
     # input history): for the code changes to earlier cells. Default: read from `In`.
     notebook: history.Notebook | None = None
-    _compiled: dict[str, Any] = field(default_factory=dict, repr=False)
+    _compiled: dict[tuple[str, frozenset[str]], Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.filename:
@@ -124,16 +124,20 @@ class Workload:
             padding += 1
         return "".join(lines[padding:])
 
-    def code_for(self, source: str | None = None) -> Any:
-        """Compile (once per distinct text); registered in linecache so tracebacks show lines."""
+    def code_for(self, source: str | None = None, loop_keys: frozenset[str] = frozenset()) -> Any:
+        """Compile (once per distinct text and set of instrumented loops, `engine/loops`);
+        registered in linecache so tracebacks show lines."""
         source = self.source if source is None else source
-        code = self._compiled.get(source)
+        code = self._compiled.get((source, loop_keys))
         if code is None:
             filename = self.filename if source == self.source else self.fixed_filename
             lines = source.splitlines(keepends=True)
             linecache.cache[filename] = (len(source), None, lines, filename)
-            code = compile(source, filename, "exec")
-            self._compiled[source] = code
+            tree: Any = source
+            if loop_keys:
+                tree = loops.instrumented(ast.parse(source, filename), loop_keys)
+            code = compile(tree, filename, "exec")
+            self._compiled[(source, loop_keys)] = code
         return code
 
     def run(
@@ -141,16 +145,19 @@ class Workload:
         source: str | None = None,
         under: PlainStack | None = None,
         around: contextlib.AbstractContextManager[Any] | None = None,
+        loop_keys: frozenset[str] = frozenset(),
     ) -> float:
         """Execute the cell once; seconds of wall time, device work included. `under`: the
         stack a plain run of the cell has, to run it under (`PlainStack.run`); `around`: a
-        context entered and left inside the timed run, as code in the cell would be."""
+        context entered and left inside the timed run, as code in the cell would be;
+        `loop_keys`: the cell's loops that report each iteration (`engine/loops`)."""
         __tracebackhide__ = True
-        code = self.code_for(source)
+        code = self.code_for(source, loop_keys)
+        hooked = loops.hook_bound(self.namespace) if loop_keys else contextlib.nullcontext()
         synchronize()
         start = time.perf_counter()
         try:
-            with around or contextlib.nullcontext():
+            with hooked, around or contextlib.nullcontext():
                 if under is None:
                     exec(code, self.namespace)
                 else:

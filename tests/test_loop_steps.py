@@ -1,0 +1,147 @@
+"""Steps without modules or loaders: a raw-tensor training loop's iterations are its steps.
+
+The cells here are written the way lecture notebooks write them (character-level language
+models from raw tensors, hand-written layer classes, manual SGD, an early `break`): no
+`nn.Module`, no DataLoader, no optimizer, so only the cell's own loop can mark its steps.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+import traceback
+
+import pytest
+import torch
+
+from torchtune_magic import perfcheck
+from torchtune_magic.engine import loops, probe, steps
+from torchtune_magic.engine.workload import CellError, Workload
+
+RAW_SETUP = """
+import torch
+import torch.nn.functional as F
+g = torch.Generator().manual_seed(2147483647)
+Xtr = torch.randint(0, 27, (4000, 3), generator=g)
+Ytr = torch.randint(0, 27, (4000,), generator=g)
+C = torch.randn((27, 10), generator=g)
+W1 = torch.randn((30, 64), generator=g) * 0.2
+b1 = torch.randn(64, generator=g) * 0.01
+W2 = torch.randn((64, 27), generator=g) * 0.01
+b2 = torch.randn(27, generator=g) * 0
+parameters = [C, W1, b1, W2, b2]
+for p in parameters:
+    p.requires_grad = True
+"""
+
+TRAIN = """
+for i in range(max_steps):
+    ix = torch.randint(0, Xtr.shape[0], (32,), generator=g)
+    emb = C[Xtr[ix]]
+    h = torch.tanh(emb.view(-1, 30) @ W1 + b1)
+    logits = h @ W2 + b2
+    loss = F.cross_entropy(logits, Ytr[ix])
+    for p in parameters:
+        p.grad = None
+    loss.backward()
+    lr = 0.1 if i < 100000 else 0.01
+    for p in parameters:
+        p.data += -lr * p.grad
+    if i >= stop_at:
+        break
+"""
+
+
+def _namespace(**names: object) -> dict:
+    ns: dict = {"__name__": "__main__", **names}
+    exec(textwrap.dedent(RAW_SETUP), ns)
+    return ns
+
+
+def test_loops_are_the_cells_own_and_keep_their_key_when_lines_move():
+    cell = textwrap.dedent(
+        """
+        def helper():
+            for j in range(3):
+                pass
+        for epoch in range(2):
+            for i in range(n):
+                helper()
+        while True:
+            break
+        """
+    )
+    found = loops.loops_of(ast.parse(cell))
+    assert [loop.header for loop in found] == [
+        "for epoch in range(2)",
+        "for i in range(n)",
+        "while True",
+    ]  # the helper's loop is the function's, not the cell's
+    assert [loop.depth for loop in found] == [0, 1, 0]
+    moved = loops.loops_of(ast.parse("import torch\n\n" + cell))
+    assert [loop.key for loop in moved] == [loop.key for loop in found]
+    assert [loop.line for loop in moved] == [loop.line + 2 for loop in found]
+
+
+def test_an_instrumented_cell_keeps_the_editors_line_numbers():
+    workload = Workload("\n\nfor i in range(3):\n    x = 1\n    y = 1 / (i - 2)\n", {})
+    key = loops.loops_of(workload.tree)[0].key
+    seen: list[str] = []
+    with pytest.raises(CellError) as raised, loops.listening(seen.append):
+        workload.run(loop_keys=frozenset({key}))
+    assert seen == [key] * 3  # one call per iteration begun
+    frame = traceback.extract_tb(raised.value.original.__traceback__)[-1]
+    assert frame.lineno == 5  # the division, as the editor numbers it
+    assert loops.HOOK not in workload.namespace  # bound for the run only
+
+
+def test_the_probe_finds_the_training_loop_and_counts_the_iterations_that_ran():
+    ns = _namespace(max_steps=200000, stop_at=40)
+    obs = probe.run(Workload(textwrap.dedent(TRAIN), ns), "cpu")
+    trace = obs.leading_step()
+    assert trace is not None and trace.unit == "iteration"
+    assert trace.obj.header == "for i in range(max_steps)"  # the loop around backward,
+    assert trace.count == 41  # not the `for p in parameters` loops; the break counted
+    count = steps.count_steps(obs, trace)
+    assert count.total == 41
+
+
+@pytest.mark.parametrize(
+    ("cell", "total"),
+    [
+        ("for i in range(200000):\n    x = 1\n    if i >= 1000:\n        break\n", 1001),
+        ("for i in range(10, 500, 5):\n    if i == 100:\n        break\n", 19),
+        ("for i in range(50):\n    if i > 1000:\n        break\n", 50),  # never met
+        ("for i, x in enumerate(items):\n    if i >= 1:\n        break\n", 2),
+        ("for step in range(n):\n    if 30 <= step:\n        break\n", 31),
+    ],
+)
+def test_an_early_break_on_the_loop_index_counts_the_iterations_that_run(cell, total):
+    count, parts = steps.loop_total(ast.parse(cell), 2, {"items": [1, 2, 3], "n": 99})
+    assert count == total, parts
+
+
+def test_a_break_on_anything_else_makes_the_count_unknown_and_says_where():
+    cell = "for i in range(1000):\n    loss = f(i)\n    if loss < 0.1:\n        break\n"
+    count, parts = steps.loop_total(ast.parse(cell), 2, {})
+    assert count is None
+    assert "the `break` at cell line 4 can end `for i in range(1000)`" in parts[0]
+
+
+def test_a_long_raw_tensor_cell_is_sampled_by_its_iterations_and_ends_as_one_plain_run():
+    setup = dict(max_steps=200000, stop_at=1500)
+    plain = _namespace(**setup)
+    exec(textwrap.dedent(TRAIN), plain)
+    ns = _namespace(**setup)
+    report = perfcheck(TRAIN, ns, budget=6)
+    sampling = report.sampling
+    assert sampling is not None and sampling.unit == "iteration"
+    assert sampling.steps_per_run == 1501
+    assert "ended by the break at cell line 15" in sampling.steps_detail
+    assert not sampling.probe_complete and sampling.stop_step < 1501
+    assert report.cell_run is not None and report.cell_run.status == "complete"
+    assert report.cell_run.steps == 1501
+    for name in ("C", "W1", "b1", "W2", "b2"):
+        assert torch.equal(ns[name], plain[name]), name  # as after one plain run
+    assert ns["i"] == plain["i"] == 1500
+    assert torch.equal(ns["g"].get_state(), plain["g"].get_state())
