@@ -77,11 +77,16 @@ def test_report_json_validates_against_the_shipped_schema(tmp_path: Path):
     assert Report.from_dict(data).to_dict() == report.to_dict()
     ids = {tuple(v["fixes"]) for v in data["variants"]}
     assert ("debug-anomaly",) in ids and ("zero-grad-none",) in ids
-    assert ("debug-anomaly", "zero-grad-none") in ids  # all fixable findings together
+    recommended = sorted(data.get("recommended", []))
+    assert "debug-anomaly" in recommended  # anomaly mode off: a clear win, results the same
+    for fixes in ids:  # the fixes together are the recommended ones, never a loser among them
+        assert len(fixes) == 1 or sorted(fixes) == recommended
     for variant in data["variants"]:
-        assert variant["speedup"] == pytest.approx(
-            data["baseline"]["median_s"] / variant["median_s"]
-        )
+        # the median of the paired rounds' ratios, inside its interval over those rounds
+        assert variant["rounds"] >= 1 and variant["verdict"] in ("faster", "no clear change")
+        if variant["speedup_low"] is not None:
+            low, high = variant["speedup_low"], variant["speedup_high"]
+            assert low <= variant["speedup"] <= high
         assert variant["numerics"]["verdict"] in {"identical", "close"}
 
 
@@ -240,7 +245,7 @@ def test_a_snapshot_that_would_not_fit_is_skipped_with_an_explanation(monkeypatc
     monkeypatch.setattr(state, "available_memory_bytes", lambda: 1024)  # "1 KiB free"
     ns = namespace_with()
     report = perfcheck(TRAIN_CELL, ns, budget=1)
-    (warning,) = report.warnings
+    (warning,) = [w for w in report.warnings if w.startswith("state not restored")]
     assert warning.startswith("state not restored: a snapshot would need")
     assert "re-run the cells that set them up" in warning
     assert report.variant_for(["debug-anomaly"]).numerics.verdict == "not-compared"

@@ -9,6 +9,7 @@ import jsonschema
 import torch
 from workloads import TRAIN_SETUP
 
+from torchtune_magic import magic
 from torchtune_magic.report import Report, load_schema
 
 TRAIN = """%%perfcheck -o --budget 1.5 {extra}
@@ -171,6 +172,9 @@ def test_insert_puts_the_optimized_cell_below(ip):
     ip.rl_next_input = None
     ip.run_line_magic("perfcheck", "insert")
     inserted = ip.rl_next_input
-    assert "detect_anomaly" not in inserted  # every finding's change, none toggled on
-    assert "opt.zero_grad(set_to_none=True)" in inserted
+    recommended = magic._latest.recommended()
+    assert "debug-anomaly" in recommended  # anomaly mode off: a clear win, results the same
+    assert "detect_anomaly" not in inserted  # the recommended fixes' changes, none toggled on
+    carried = "opt.zero_grad(set_to_none=True)" in inserted
+    assert carried == ("zero-grad-none" in recommended)  # carried only when recommended
     compile(inserted, "inserted", "exec")

@@ -505,3 +505,29 @@ def test_what_cannot_be_read_or_written_back_is_named_and_the_rest_restored():
     snapshot.restore()
     assert kept == [1]
     assert snapshot.not_covered[1].startswith("`values` could not be put back (ValueError")
+
+
+def test_a_cell_that_advances_a_generator_runs_once_and_says_why(ip):
+    """A generator from an earlier cell cannot be rewound: the cell runs once (the probe,
+    never cut short), nothing is timed, and the report says why."""
+    ip.run_cell(
+        "import torch\n"
+        "batches = (torch.randn(8, 4) for _ in range(100))\n"
+        "w = torch.randn(4, 1, requires_grad=True)\n"
+        "seen = []"
+    )
+    result = ip.run_cell(
+        "%%perfcheck -o -q --budget 2\n"
+        "for _ in range(3):\n"
+        "    x = next(batches)\n"
+        "    loss = (x @ w).sum()\n"
+        "    loss.backward()\n"
+        "    seen.append(loss.item())\n"
+    )
+    report = result.result
+    assert len(ip.user_ns["seen"]) == 3  # the cell ran once
+    assert sum(1 for _ in ip.user_ns["batches"]) == 97  # one run's worth consumed
+    said = [w for w in report.warnings if "no restore can put back" in w]
+    assert said and "batches" in said[0]
+    assert report.cell_run is not None and report.cell_run.status == "probe"
+    assert all(v.speedup is None for v in report.variants)

@@ -1,32 +1,63 @@
-"""Timing statistics and interleaving, the state guard, and exact undo."""
+"""Timing statistics and paired rounds, the state guard, and exact undo."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import torch
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import discovery, state, timing
+from torchtune_magic.engine import discovery, state, timing, verdict
 from torchtune_magic.engine.fixes import Patcher
 from torchtune_magic.render import text
 
 
-def test_interleaved_runs_alternate_and_stop_within_budget():
+def _runner(order: list[str], label: str, values: list[float], sleep_s: float = 0.0):
+    """A configuration whose runs return `values` in turn (cycling), taking `sleep_s`."""
+
+    def run() -> float:
+        order.append(label)
+        time.sleep(sleep_s)
+        return values[(order.count(label) - 1) % len(values)]
+
+    return run
+
+
+def test_paired_rounds_rotate_and_pair_each_fix_with_a_baseline_run():
     order: list[str] = []
+    runners = {"base": _runner(order, "base", [1.0]), "fix": _runner(order, "fix", [0.5])}
+    rounds = timing.paired_rounds(runners, "base", timing.Deadline(5.0))
+    assert order[:4] == ["base", "fix", "fix", "base"]  # the start rotates each round
+    assert rounds.ratios("fix") == [2.0] * len(rounds.rounds)
+    speedup = rounds.speedup("fix")
+    assert speedup.verdict == "faster" and speedup.settled
+    assert len(rounds.rounds) == verdict.min_rounds()  # settled: no round more than needed
 
-    def runner(label: str, seconds: float):
-        def run() -> float:
-            order.append(label)
-            return seconds
 
-        return run
+def test_a_settled_fix_drops_out_while_an_undecided_one_goes_on_until_the_deadline():
+    order: list[str] = []
+    runners = {
+        "base": _runner(order, "base", [1.0], 0.01),
+        "clear": _runner(order, "clear", [0.5], 0.01),
+        "noise": _runner(order, "noise", [0.8, 1.25], 0.01),  # ratios 1.25, 0.8, ...: ~1
+    }
+    deadline = timing.Deadline(1.0)
+    rounds = timing.paired_rounds(runners, "base", deadline)
+    assert rounds.speedup("clear").settled and not rounds.speedup("noise").settled
+    assert order.count("clear") == verdict.min_rounds() < order.count("noise")
+    assert rounds.speedup("noise").verdict == "no clear change"  # straddles 1: never slower
+    assert deadline.spent <= 1.0 + 0.05
 
-    results = timing.interleaved({"a": runner("a", 1.0), "b": runner("b", 0.5)}, budget_s=0.5)
-    assert results["a"].runs == results["b"].runs >= timing.MIN_ROUNDS
-    assert order[:4] == ["a", "b", "b", "a"]  # the start rotates each round
-    assert results["a"].median == 1.0 and results["b"].iqr == 0.0
+
+def test_no_round_starts_that_would_end_past_the_deadline():
+    order: list[str] = []
+    runners = {"a": _runner(order, "a", [1.0, 1.3], 0.1), "b": _runner(order, "b", [1.2, 1.0], 0.1)}
+    deadline = timing.Deadline(0.5)
+    rounds = timing.paired_rounds(runners, "a", deadline)
+    assert len(rounds.rounds) == 2  # rounds take 0.2 s: a third would end at 0.6 s
+    assert deadline.spent < 0.5
 
 
 def test_measurement_flags_noise_and_one_time_cost():

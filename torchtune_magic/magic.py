@@ -268,7 +268,16 @@ def _inserted_text(
     re-runs and why, which fixes the cell carries, and what only an edit by hand makes
     permanent."""
     applied = session.applied_ids
-    scope = f"the fixes applied ({', '.join(applied)})" if applied else "every finding"
+    recommended = session.recommended()
+    if applied:
+        scope = f"the fixes applied ({', '.join(applied)})"
+    elif recommended:
+        scope = f"the recommended fixes ({', '.join(recommended)})"
+    else:
+        scope = (
+            "no fix: none was measured a clear win here (apply one with its toggle or "
+            "`--apply ID` to carry it)"
+        )
     lines = [f"%perfcheck insert: inserted below the optimized cell, with {scope}"]
     for rebuild in rebuilt:
         names = ", ".join(f"`{name}`" for name in rebuild.names)

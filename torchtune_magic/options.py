@@ -97,6 +97,3 @@ class Options:
 
     def wants(self, check_id: str) -> bool:
         return (not self.checks or check_id in self.checks) and check_id not in self.skip
-
-    def applies(self, check_id: str) -> bool:
-        return "all" in self.apply or check_id in self.apply

@@ -18,11 +18,11 @@ NOISE_THRESHOLD = 0.10  # IQR/median above this is flagged, as torch.utils.bench
 # A spread below this is the clock's and the interpreter's jitter on a run of a few µs (a
 # cell with no torch work): it reads "± 0 µs" and is no sign of a noisy measurement.
 NOISE_FLOOR_S = 1e-6
-NO_CHANGE_BAND = 0.02  # speedups in [1, 1.02) read "no measurable change", never a win
+NO_CHANGE_BAND = 0.02  # speedups in [1, 1.02) read "no clear change", never a win
 # What a report is showing: findings with numbers still coming in, the cell's own complete
 # run under way, all done, or stopped by the user (Ctrl-C) before every number was in.
 PHASES = ("measuring", "finishing", "done", "interrupted")
-STEP_UNITS = ("batch", "optimizer step", "forward")
+STEP_UNITS = ("batch", "optimizer step", "forward", "iteration")
 OPTIONAL_MEASUREMENT_FIELDS = (
     "projected_cell_s",
     "measured_at",
@@ -30,7 +30,14 @@ OPTIONAL_MEASUREMENT_FIELDS = (
     "one_time_cause",
     "judged_by",
     "fits",
+    "speedup_low",
+    "speedup_high",
+    "verdict",
+    "rounds",
+    "budget_to_tell_s",
 )
+# A fix's speedup read over paired rounds (engine/verdict.py): the interval decides
+FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
 THROUGHPUT_FIELDS = (
     "flops",
     "flops_breakdown",
@@ -160,17 +167,49 @@ class Variant:
     projected_cell_s: float | None = None  # see Stats.projected_cell_s
     measured_at: str | None = None  # when this measurement finished (ISO 8601, UTC)
     baseline_median_s: float | None = None  # the baseline median its speedup is against
+    # paired rounds (engine/verdict.py): `speedup` is the median of the rounds' ratios, the
+    # interval bounds it (null: too few rounds for one), the verdict reads the interval
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    verdict: str | None = None  # FASTER | SLOWER | NO_CLEAR_CHANGE
+    rounds: int | None = None  # paired rounds behind the speedup
+    # the budget ran out before the interval settled (or before the fix ran at all): the
+    # `--budget` that would most likely tell
+    budget_to_tell_s: float | None = None
 
     @property
     def is_slower(self) -> bool:
-        return self.speedup is not None and self.speedup < 1.0
+        """Measured slower: the whole interval below 1 (reports from before paired rounds:
+        a speedup below 1). Never said of an interval that straddles 1."""
+        if self.error or self.speedup is None:
+            return False
+        if self.verdict is not None:
+            return self.verdict == SLOWER
+        return self.speedup < 1.0
 
     @property
     def is_win(self) -> bool:
-        """Faster by more than the no-change band (the labextension uses the same band)."""
-        return (
-            not self.error and self.speedup is not None and (self.speedup >= 1.0 + NO_CHANGE_BAND)
-        )
+        """Measured faster: the whole interval above 1 and the speedup past the no-change
+        band (older reports: the speedup past the band; the labextension reads the same)."""
+        if self.error or self.speedup is None:
+            return False
+        if self.verdict is not None:
+            return self.verdict == FASTER
+        return self.speedup >= 1.0 + NO_CHANGE_BAND
+
+
+@dataclass
+class MachineLoad:
+    """What other processes ran on this kernel's CPUs while it measured (from /proc): the
+    numbers carry that noise, and a busy machine is said in the report."""
+
+    window_s: float
+    other_cpu_s: float  # CPU seconds of other processes on the CPUs this kernel may use
+    cpus: int  # CPUs in this kernel's affinity mask
+
+    @property
+    def busy_cpus(self) -> float:
+        return self.other_cpu_s / self.window_s if self.window_s > 0 else 0.0
 
 
 @dataclass
@@ -249,6 +288,10 @@ class Report:
     cell_run: CellRun | None = None
     oom: OutOfMemory | None = None  # the cell ran out of memory (then nothing was timed)
     notebook_edits: NotebookEdits | None = None  # the applied fixes' cells (all fixes' if none)
+    # fixes measured clearly faster with results identical or within their tolerance: what
+    # the combined row, `--apply all`, the code changes and Apply to notebook carry
+    recommended: list[str] | None = None
+    load: MachineLoad | None = None  # other processes' CPU time while measuring
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -280,7 +323,7 @@ class Report:
             for key in (*THROUGHPUT_FIELDS, *OPTIONAL_MEASUREMENT_FIELDS):
                 if stats.get(key, 0) is None:
                     del stats[key]  # optional: reports without them read as before
-        for key in ("sampling", "cell_run", "oom", "notebook_edits"):
+        for key in ("sampling", "cell_run", "oom", "notebook_edits", "recommended", "load"):
             if data[key] is None:
                 del data[key]
         for finding in data["findings"]:
@@ -339,6 +382,8 @@ class Report:
                 if edits
                 else None
             ),
+            recommended=data.get("recommended"),
+            load=MachineLoad(**data["load"]) if data.get("load") else None,
         )
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from .engine import (
     discovery,
     fixes,
     history,
+    load,
     memory,
     numerics,
     oom,
@@ -45,12 +46,15 @@ from .engine import (
     steps,
     timing,
     utilisation,
+    verdict,
 )
+from .engine.verdict import Speedup
 from .engine.workload import CellError, Workload, captured, silenced
 from .options import Options
 from .report import (
     CellRun,
     CodeChange,
+    MachineLoad,
     NotApplicable,
     NotebookEdits,
     OutOfMemory,
@@ -70,11 +74,17 @@ PROBE_SLOWDOWN = 2.0
 # enough that findings are on screen within seconds.
 PROBE_SHARE_OF_BUDGET = 0.3
 PROBE_SECONDS = (3.0, 8.0)
-PUBLISH_EVERY_S = 0.5  # partial reports go to the front end at most this often
+# partial reports go to the front end at most this often: each one is serialized, sent
+# and redrawn in the browser, on the CPUs the next timed run shares with it
+PUBLISH_EVERY_S = 2.0
 # page faults the baseline's runs did not all pay, worth more than this share of a run:
 # the allocator's state changed under the measurement (said in the report)
 ALLOCATOR_DRIFT_SHARE = 0.05
 FINISH_PROGRESS_EVERY_S = 0.25
+# The budget as a promise (`timing.Deadline`): how it is shared out
+COMBINED_SHARE_OF_ROUNDS = 0.35  # kept for the recommended fixes together, once known
+PROFILED_SHARE = 0.25  # profiled runs are reserved for only when they cost at most this
+BASELINE_ONLY_ROUNDS = 3  # timed runs of a cell with no fix to measure
 
 # Where the kernel stands relative to the contract "as if the cell ran once"
 AFTER_ONE_RUN = "after one run"
@@ -105,6 +115,32 @@ class _RunTime:
     watched: Any = None  # what the run's `watched` context gave (a memory Profile, …)
     faults: int = 0  # minor page faults during the run
     restart_s: float | None = None  # an epoch restart's cost, where the timed steps held one
+
+
+@dataclass
+class _Measuring:
+    """Everything one measurement gathers: each configuration's variant, its first run and
+    later runs, what the cell produced (numerics) and the paired rounds (with each run's
+    wall time, to foresee whether the next one fits the deadline)."""
+
+    configs: list[_Config]
+    watched: tuple[set[str], dict[str, torch.nn.Module]]
+    results: dict[str, Variant] = field(default_factory=dict)
+    outputs: dict[str, numerics.Outputs] = field(default_factory=dict)
+    firsts: dict[str, _RunTime] = field(default_factory=dict)
+    later: dict[str, list[_RunTime]] = field(default_factory=dict)
+    runnable: list[_Config] = field(default_factory=list)
+    baseline_runs: list[_RunTime] = field(default_factory=list)
+    rounds: timing.Rounds = field(default_factory=lambda: timing.Rounds(BASELINE))
+
+    def __post_init__(self) -> None:
+        for config in self.configs:
+            self.results.setdefault(config.label, Variant(fixes=config.ids))
+            self.later.setdefault(config.label, [])
+
+    def add(self, config: _Config) -> None:
+        self.configs.append(config)
+        self.__post_init__()
 
 
 class Session:
@@ -153,6 +189,15 @@ class Session:
         self._first_costs: dict[str, float] = {}
         # notebook edits by the fix ids they are for (they change only with the applied set)
         self._notebook_edits: dict[tuple[str, ...], NotebookEdits | None] = {}
+        # the budget as a promise: set when the probe is done (the checks' trials and the
+        # first measurement count against it; the probe is bounded by a share of it); a
+        # later Re-time gets a budget of its own
+        self._deadline: timing.Deadline | None = None
+        self._load: MachineLoad | None = None  # other processes' CPU time, last measurement
+        # what the probe's run changed that no restore puts back (a generator advanced, a
+        # file written): the cell is then not run again, and these say why
+        self._one_way: list[str] = []
+        self._profiled_steps: int | None = None  # where the profiled runs stop (sampled)
 
     # the one-shot flow ----------------------------------------------------------------------
     def run(self) -> Report:
@@ -161,6 +206,7 @@ class Session:
         propagates after the report says where it stopped."""
         __tracebackhide__ = True
         self.probe()
+        self._deadline = timing.Deadline(self.options.budget)
         self.detect()
         if self._out_of_memory is not None:  # a report on what happened, then the traceback
             self.cell_run = CellRun("failed", detail=self.oom.error if self.oom else None)
@@ -213,7 +259,11 @@ class Session:
                 self._start_state = state.take(namespace, found, self.workload.source)
         device = self.options.device or "cpu"
         low, high = PROBE_SECONDS
-        stop_after = min(high, max(low, PROBE_SHARE_OF_BUDGET * self.options.budget))
+        stop_after: float | None = min(high, max(low, PROBE_SHARE_OF_BUDGET * self.options.budget))
+        if self._start_state is not None and self._start_state.reaches_one_way_state:
+            # a generator, iterator or file the cell could advance: if it does, no restore
+            # puts it back, and the probe must then be the cell's one complete run
+            stop_after = None
         failed: CellError | None = None
         with captured() as printed:
             try:
@@ -242,6 +292,16 @@ class Session:
         obs = self.observation
         if self._start_state is not None:
             self._start_state.note_unwritten()
+            self._one_way = self._start_state.unrestorable_changes()
+            for line in self._start_state.not_covered:
+                self._warn_once(line)
+        if self._one_way:
+            self._warn_once(
+                "not measured: the cell changed what no restore can put back — "
+                + "; ".join(self._one_way)
+                + " — so running it again would change what you see: it ran once (the "
+                "probe, whose findings are below) and nothing was timed"
+            )
         if obs.stopped_early:
             self._kernel = PART_RUN
         else:
@@ -305,7 +365,10 @@ class Session:
                 fixes.combined_context(applied, self.workload.namespace),
             ):
                 self._kernel = PART_RUN
-                seconds = self.workload.run(fixes.combined_source(self.workload.source, applied))
+                seconds = self.workload.run(
+                    fixes.combined_source(self.workload.source, applied),
+                    loop_keys=counter.source.loop_keys if counter else frozenset(),
+                )
         except (KeyboardInterrupt, CellError) as error:
             done = counter.times.count if counter else None
             interrupted = isinstance(error, KeyboardInterrupt)
@@ -410,31 +473,51 @@ class Session:
         return [d for d in self.detections if d.fix is not None]
 
     def wins(self, report: Report | None = None) -> list[str]:
-        """Fixes whose own newest measurement was a clear win (faster beyond the no-change
-        band, without error) and left what the cell produced bit-identical: `--apply wins`
-        never changes results silently (amp, tf32 and the like are applied by name)."""
-        report = report or self.report
-        if report is None:
-            return []
-        found = []
-        for detection in self.fixable:
-            variant = report.variant_for([detection.finding.id])
-            if variant is not None and variant.is_win and variant.numerics.verdict == "identical":
-                found.append(detection.finding.id)
-        return found
-
-    def _requested_fixes(self, report: Report) -> list[str]:
-        """`--apply IDS|all|wins`, as fix ids found in this cell."""
-        wins = set(self.wins(report)) if "wins" in self.options.apply else set()
+        """Fixes whose own newest measurement was clearly faster (its interval above 1, past
+        the no-change band, without error) and left what the cell produced bit-identical:
+        `--apply wins` never changes results silently (amp, tf32 and the like are applied
+        by name)."""
         return [
-            d.finding.id
-            for d in self.fixable
-            if self.options.applies(d.finding.id) or d.finding.id in wins
+            variant.fixes[0]
+            for variant in self._solo_variants(report)
+            if variant.is_win and variant.numerics.verdict == "identical"
         ]
 
+    def recommended(self, variants: list[Variant] | None = None) -> list[str]:
+        """Fixes whose own newest measurement was clearly faster with results identical or
+        within the fix's stated tolerance: what the combined row, `--apply all`, the code
+        changes and Apply to notebook carry by default. Others are opt-in, their verdict
+        beside them."""
+        chosen = []
+        for variant in self._solo_variants(None, variants):
+            if variant.is_win and variant.numerics.verdict in ("identical", "close"):
+                chosen.append(variant.fixes[0])
+        return chosen
+
+    def _solo_variants(
+        self, report: Report | None, variants: list[Variant] | None = None
+    ) -> list[Variant]:
+        """The newest solo measurement of each fixable finding, in finding order."""
+        if variants is None:
+            report = report or self.report
+            variants = report.variants if report is not None else []
+        newest = {tuple(v.fixes): v for v in variants}
+        return [newest[(d.finding.id,)] for d in self.fixable if (d.finding.id,) in newest]
+
+    def _requested_fixes(self, report: Report) -> list[str]:
+        """`--apply IDS|all|wins`, as fix ids found in this cell: ids as named, `all` the
+        recommended fixes, `wins` the clear wins with identical results."""
+        wanted = set(self.options.apply)
+        if "wins" in wanted:
+            wanted.update(self.wins(report))
+        if "all" in wanted:
+            wanted.update(self.recommended(report.variants))
+        return [d.finding.id for d in self.fixable if d.finding.id in wanted]
+
     def suggested_cell(self) -> str:
-        """The cell with the code changes of the fixes applied now (of all, when none is)."""
-        return self.optimized_cell(self.applied_ids or None)
+        """The cell with the code changes of the fixes applied now (of the recommended
+        ones, when none is)."""
+        return self.optimized_cell(self.applied_ids or self.recommended())
 
     def optimized_cell(self, check_ids: list[str] | None = None) -> str:
         """The cell with the code changes of these findings (default: all) applied."""
@@ -446,9 +529,9 @@ class Session:
         return codeedit.combine(self.workload.source, versions)
 
     def notebook_edits(self) -> NotebookEdits | None:
-        """Every notebook cell to edit for the fixes applied now (for all, when none is):
-        the earlier cells that built the objects and the checked cell, several fixes'
-        edits of one cell in one entry. None when no cell changes."""
+        """Every notebook cell to edit for the fixes applied now (for the recommended ones,
+        when none is): the earlier cells that built the objects and the checked cell,
+        several fixes' edits of one cell in one entry. None when no cell changes."""
         chosen = [d for d in self._chosen() if d.fixed_source is not None or d.earlier]
         key = tuple(d.finding.id for d in chosen)
         if key not in self._notebook_edits:
@@ -479,9 +562,10 @@ class Session:
         return cell, rebuilt, by_hand
 
     def _chosen(self) -> list[Detection]:
-        """The detections whose changes count now: the applied fixes', or all of them."""
-        applied = set(self.applied_ids)
-        return [d for d in self.detections if not applied or d.finding.id in applied]
+        """The detections whose changes count now: the applied fixes', else the recommended
+        ones' (none before they are measured: a finding's own change is offered with it)."""
+        chosen = set(self.applied_ids) or set(self.recommended(self._history))
+        return [d for d in self.detections if d.finding.id in chosen]
 
     def _attach_cell_changes(self) -> None:
         """Each finding's own notebook cells to edit (`code_change.cells`)."""
@@ -498,23 +582,50 @@ class Session:
     def measure(
         self, fix_sets: list[list[str]] | None = None, *, budget_s: float | None = None
     ) -> Report:
-        """Time the baseline against fix sets (default: each fix alone and all together),
-        interleaved, within `budget_s` (default: the run's budget) counted from now. Applied
+        """Time the baseline against fix sets (default: each fix alone, then the recommended
+        ones together) in paired rounds, within `budget_s` counted from now (default: what
+        is left of the run's budget, which the checks have drawn on). Applied
         fixes are lifted for the duration and put back after. Earlier measurements stay in
         the report; each variant says when it was taken and against which baseline."""
         __tracebackhide__ = True
+        deadline = self._measuring_deadline(budget_s)
+        if self._one_way:  # a run more would change what the user sees: none is made
+            self.publish(self._build_report(deadline=deadline, phase="measuring"))
+            return self.report  # type: ignore[return-value]  # set by publish
         configs = self._configs(fix_sets)
-        budget = (budget_s or self.options.budget, time.perf_counter())
-        with self._fixes_lifted(), self._state_kept():
-            variants, baseline = self._measure_configs(configs, budget)
+        combine = fix_sets is None and not self.options.quick and len(configs) > 2
+        with self._fixes_lifted(), self._state_kept(), self._load_watched():
+            variants, baseline = self._measure_configs(configs, deadline, combine)
         measured_at = _now()
         for variant in [baseline, *variants]:
             variant.measured_at = measured_at
         self._history.extend(variants)
         # a re-time after the cell's complete run is done; the first measurement is not
         phase = "done" if self.cell_run is not None else "measuring"
-        self.publish(self._build_report(baseline, budget=budget, phase=phase))
+        self.publish(self._build_report(baseline, deadline=deadline, phase=phase))
         return self.report  # type: ignore[return-value]  # set by publish
+
+    def _measuring_deadline(self, budget_s: float | None) -> timing.Deadline:
+        """The run's own deadline for its first measurement (the probe and the checks spent
+        part of it); a fresh one for a Re-time or an explicit budget."""
+        if budget_s is None and self._deadline is not None and not self._history:
+            return self._deadline
+        return timing.Deadline(budget_s or self.options.budget)
+
+    @contextmanager
+    def _load_watched(self) -> Iterator[None]:
+        """What other processes ran on this kernel's CPUs while measuring (`load`): the
+        rounds pair each fix with a baseline run taken back to back, so speedups hold on a
+        busy machine, but their intervals widen and the times per run grow."""
+        start = load.reading()
+        try:
+            yield
+        finally:
+            end = load.reading()
+            seen = load.between(start, end) if start and end else None
+            self._load = None
+            if seen is not None:  # the report says it when it is more than a trace
+                self._load = MachineLoad(seen.window_s, seen.other_cpu_s, seen.cpus)
 
     def _measure_fits(self) -> None:
         """After the cell ran out of memory: one run with each memory fix, from the state
@@ -586,12 +697,12 @@ class Session:
             self.on_report(report)
 
     def _configs(self, fix_sets: list[list[str]] | None) -> list[_Config]:
+        """The baseline and the fix sets: by default each fix alone (the recommended ones
+        together are added once those have a verdict: `_measure_configs`); with `--quick`,
+        all fixes together only."""
         if fix_sets is None:
-            solo = [[d.finding.id] for d in self.fixable]
-            together = [d.finding.id for d in self.fixable]
-            fix_sets = [] if self.options.quick else list(solo)
-            if len(together) > 1 or (self.options.quick and together):
-                fix_sets.append(together)
+            every = [d.finding.id for d in self.fixable]
+            fix_sets = [every] if self.options.quick and every else [[i] for i in every]
         configs = [_Config(BASELINE, [])]
         for ids in fix_sets:
             label = "+".join(sorted(ids))
@@ -644,7 +755,15 @@ class Session:
         """Say so when a measuring run wrote a tensor the probe had left as it was, in a way
         torch does not see: the restores between runs passed over it (`Snapshot.
         note_unwritten`), so the runs after that write started from its changed values."""
-        changed = self._start_state.written_unseen() if self._start_state is not None else []
+        if self._start_state is None:
+            return
+        for label in self._start_state.written_unseen_objects():
+            self._warn_once(
+                f"a measuring run changed `{label}` in place in a way the restores between "
+                "runs passed over (its length and ends unchanged), so the runs after it "
+                "started from the changed contents; it is back as it was now"
+            )
+        changed = self._start_state.written_unseen()
         if changed:
             shapes = ", ".join(str(tuple(t.shape)) for t in changed[:3])
             self._warn_once(
@@ -696,8 +815,11 @@ class Session:
         ):
             started, faults = time.perf_counter(), allocator.minor_faults()
             in_cell = fixes.combined_context(config.fixes, namespace, in_cell=True)
+            loop_keys = counter.source.loop_keys if counter else frozenset()
             try:
-                seconds = self.workload.run(source, self._measuring_stack(config), in_cell)
+                seconds = self.workload.run(
+                    source, self._measuring_stack(config), in_cell, loop_keys
+                )
             except steps.StepLimitReached:
                 seconds = time.perf_counter() - started
             faults = allocator.minor_faults() - faults
@@ -728,7 +850,7 @@ class Session:
             return None
         return self._plain_stack if plain_stack.fresh_stack_available() else None
 
-    def _sample_plan(self, configs: list[_Config], budget_s: float) -> steps.SamplePlan | None:
+    def _sample_plan(self, configurations: int, budget_s: float) -> steps.SamplePlan | None:
         """Whether to stop every run at a step, and where first (the baseline's first run
         then calibrates the stop: `_calibrate`). Decided once per session, so a later
         re-time compares like with like."""
@@ -746,7 +868,7 @@ class Session:
             return None
         if not obs.stopped_early:
             plain = obs.wall_s / PROBE_SLOWDOWN
-            if not steps.worth_sampling(plain, len(configs), budget_s):
+            if not steps.worth_sampling(plain, configurations, budget_s):
                 return None
         step_s = trace.mean_step_s() or obs.wall_s
         lead_s = (trace.first_s or step_s) + (warmup - 1) * step_s
@@ -756,7 +878,7 @@ class Session:
             min_timed = steps.MIN_TIMED_STEPS + settle
         else:
             per_epoch = None
-        stop = steps.choose_stop(budget_s, len(configs), lead_s, step_s, warmup, total, min_timed)
+        stop = steps.choose_stop(budget_s, configurations, lead_s, step_s, warmup, total, min_timed)
         source = steps.source_of(obs, trace)
         self.plan = steps.SamplePlan(source, warmup, stop, min_timed, per_epoch, settle)
         return self.plan
@@ -778,126 +900,222 @@ class Session:
         if plan is None or first.lead_s is None or first.step_s is None:
             return
         total = self.step_count.total if self.step_count else None
-        left = budget_s - steps.profiled_runs_s(
-            configurations, first.lead_s, first.step_s, plan.warmup
-        )
+        left = budget_s - self._profiled_reserve(configurations, first)
         stop = steps.choose_stop(
             left, configurations, first.lead_s, first.step_s, plan.warmup, total, plan.min_timed
         )
         self.plan = replace(plan, stop=stop)
 
     def _measure_configs(
-        self, configs: list[_Config], budget: tuple[float, float]
+        self, configs: list[_Config], deadline: timing.Deadline, combine: bool
     ) -> tuple[list[Variant], Variant]:
-        """`budget`: (seconds, the perf_counter time they are counted from)."""
-        if self._sample_plan(configs, budget[0]) is None:
-            return self._measure_whole(configs, budget)
-        return self._measure_sampled(configs, budget)
+        """First runs, paired rounds, then the recommended fixes together (with `combine`),
+        then the profiled runs (peak memory, FLOPs) — each only where the deadline leaves
+        room for it; what did not fit says what `--budget` would have measured it."""
+        planned = len(configs) + (1 if combine else 0)
+        self._sample_plan(planned, deadline.left())
+        measuring = _Measuring(configs, self._watched_outputs())
+        self._first_runs(measuring, deadline, planned)
+        reserve = self._profiled_reserve(len(measuring.runnable), measuring.firsts.get(BASELINE))
+        rounds_deadline = timing.Deadline(max(0.0, deadline.seconds - reserve), deadline.start)
+        if combine:  # the fixes alone first, leaving room for the recommended ones together
+            left = rounds_deadline.left()
+            alone = rounds_deadline.spent + (1 - COMBINED_SHARE_OF_ROUNDS) * left
+            self._rounds(measuring, timing.Deadline(alone, rounds_deadline.start))
+            together = self._combined_config(measuring)
+            if together is not None:
+                measuring.add(together)
+                self._first_runs(measuring, rounds_deadline, planned, only=[together])
+        self._rounds(measuring, rounds_deadline)
+        self._profiled_runs(measuring, deadline)
+        self._note_allocator_drift(measuring.configs, measuring.baseline_runs)
+        return self._conclude(measuring, deadline)
 
-    def _measure_whole(
-        self, configs: list[_Config], budget: tuple[float, float]
-    ) -> tuple[list[Variant], Variant]:
-        """Whole-cell runs: a warm-up and a checked (profiled, numerics) run per
-        configuration, then interleaved timed rounds."""
-        seconds, counted_from = budget
-        outputs: dict[str, numerics.Outputs] = {}
-        results: dict[str, Variant] = {c.label: Variant(fixes=c.ids) for c in configs}
-        firsts: dict[str, _RunTime] = {}
-        runnable: list[_Config] = []
-        watched = self._watched_outputs()
-        for config in configs:
-            with self._failures_noted(config, results[config.label]):
-                firsts[config.label] = self._one_run(config)
-                results[config.label].peak_memory_bytes = self._checked_run(
-                    config, outputs, watched
-                )
-                runnable.append(config)
-            self._report_progress(0.0, f"warmed up {config.label}")
-            self._publish_partial(results, budget)
-        self._count_flops(configs[0])
-        left = max(0.0, seconds - (time.perf_counter() - counted_from))
-        baseline_runs: list[_RunTime] = []
-
-        def timed_run(config: _Config) -> float:
-            run = self._one_run(config)
-            if config.label == BASELINE:
-                baseline_runs.append(run)
-            return run.total_s
-
-        timed = timing.interleaved(
-            {c.label: functools.partial(timed_run, c) for c in runnable},
-            left,
-            self._report_progress,
-            min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
-            on_run=self._on_run(results, budget),
-            round_s=sum(firsts[c.label].total_s for c in runnable),
-        )
-        self._note_allocator_drift(configs, baseline_runs)
-        return self._conclude(configs, results, firsts, timed, {}, outputs, watched)
-
-    def _measure_sampled(
-        self, configs: list[_Config], budget: tuple[float, float]
-    ) -> tuple[list[Variant], Variant]:
-        """Runs stopped after step K: the baseline's first run sets K; each configuration's
-        first timed run is also its first run (its time to step W holds the one-time costs)
-        and captures what the cell produced by step K (numerics); the short profiled runs
-        for memory and FLOPs come after the timing, so they do not pay those costs first."""
-        seconds, counted_from = budget
-        outputs: dict[str, numerics.Outputs] = {}
-        results: dict[str, Variant] = {c.label: Variant(fixes=c.ids) for c in configs}
-        firsts: dict[str, _RunTime] = {}
-        later: dict[str, list[_RunTime]] = {c.label: [] for c in configs}  # after the first
-        watched = self._watched_outputs()
-        if not self._plan_calibrated:
-            firsts[BASELINE] = self._one_run(configs[0], stop=self._stop())
-            self._calibrate(
-                firsts[BASELINE], len(configs), seconds - (time.perf_counter() - counted_from)
-            )
-
-        def timed_run(config: _Config) -> float:
-            observe = None
-            if config.label not in outputs:
-                observe = functools.partial(self._capture, outputs, config.label, watched)
-            run = self._one_run(config, observe, self._stop())
-            if config.label == BASELINE:
-                baseline_runs.append(run)
-            if config.label not in firsts:
-                firsts[config.label] = run
+    def _first_runs(
+        self,
+        measuring: _Measuring,
+        deadline: timing.Deadline,
+        planned: int,
+        only: list[_Config] | None = None,
+    ) -> None:
+        """Each configuration's first run: it pays the one-time costs (compile, worker
+        start), and what the cell produced is kept for numerics (sampled: at the stop
+        step). A sampled measurement's first runs make its first round, and the baseline's
+        very first one sets the stop step. A configuration whose first run would end past
+        the deadline is left out, and says so."""
+        results = measuring.results
+        first_round: dict[str, float] = {}
+        for config in only or measuring.configs:
+            label = config.label
+            guess = self._run_guess(measuring, config)
+            if not deadline.allows(guess):
+                results[label].budget_to_tell_s = self._budget_for(deadline, guess)
+                if label == BASELINE:  # nothing to stand a fix against: none runs
+                    for other in measuring.configs[1:]:
+                        results[other.label].budget_to_tell_s = self._budget_for(deadline, guess)
+                    self._warn_once(
+                        f"nothing was timed: a run of the cell takes about {_seconds(guess)} "
+                        f"and the checks left {_seconds(deadline.left())} of the "
+                        f"{_seconds(deadline.seconds)} budget; "
+                        f"`--budget {results[BASELINE].budget_to_tell_s:.0f}` would"
+                    )
+                    return
+                continue
+            if label == BASELINE and self.plan is not None and not self._plan_calibrated:
+                first = self._one_run(config, stop=self._stop())
+                measuring.firsts[BASELINE] = first
+                self._calibrate(first, planned, deadline.left())
+            self._report_progress(deadline.spent / deadline.seconds, f"first run: {label}")
+            with self._failures_noted(config, results[label]):
+                started = time.perf_counter()
+                value = self._timed_run(measuring, config)
+                if not any(f.one_time_cause for f in config.fixes):  # what a round will take
+                    wall = time.perf_counter() - started
+                    measuring.rounds.walls.setdefault(label, []).append(wall)
+                measuring.runnable.append(config)
+                if self.plan is not None:  # sampled: the first run is timed like any
+                    first_round[label] = value
+                    _fill(results[label], timing.Measurement(label, [value]))
+            self._publish_partial(measuring, deadline)
+        if first_round:
+            if only and measuring.rounds.rounds:  # a late configuration: not a round of its own
+                measuring.rounds.rounds[-1].update(first_round)
             else:
-                later[config.label].append(run)
-            return run.step_s if run.step_s is not None else run.total_s
+                measuring.rounds.rounds.append(first_round)
 
-        baseline_runs: list[_RunTime] = []
-        begun: dict[str, timing.Measurement] = {}
-        for config in configs:  # the first round, one by one: a fix that fails drops out
-            self._report_progress(0.0, f"round 1: {config.label}")
-            with self._failures_noted(config, results[config.label]):
-                measurement = timing.Measurement(config.label, [timed_run(config)])
-                begun[config.label] = measurement
-                _fill(results[config.label], measurement)
-            self._publish_partial(results, budget)
-        runnable = [c for c in configs if c.label in begun]
-        left = seconds - (time.perf_counter() - counted_from)
-        first = firsts[BASELINE]
-        if first.lead_s is not None and first.step_s is not None and self.plan is not None:
-            left -= steps.profiled_runs_s(
-                len(configs), first.lead_s, first.step_s, self.plan.warmup
-            )
-        timed = timing.interleaved(
-            {c.label: functools.partial(timed_run, c) for c in runnable},
-            max(0.0, left),
-            self._report_progress,
-            min_rounds=timing.MIN_ROUNDS if len(runnable) > 1 else 3,
-            on_run=self._on_run(results, budget),
-            round_s=sum(firsts[c.label].total_s for c in runnable),
-            begun=begun,
+    def _timed_run(self, measuring: _Measuring, config: _Config) -> float:
+        """One run of the configuration; the first captures what the cell produced
+        (numerics). Returns its time: the whole run, or per step when sampled."""
+        label = config.label
+        observe = None
+        if label not in measuring.outputs:
+            observe = functools.partial(self._capture, measuring.outputs, label, measuring.watched)
+        run = self._one_run(config, observe, self._stop())
+        if label == BASELINE:
+            measuring.baseline_runs.append(run)
+        if label not in measuring.firsts:
+            measuring.firsts[label] = run
+        else:
+            measuring.later[label].append(run)
+        if self.plan is not None and run.step_s is not None:
+            return run.step_s
+        return run.total_s
+
+    def _rounds(self, measuring: _Measuring, deadline: timing.Deadline) -> None:
+        """Paired rounds of every runnable configuration until each speedup has settled or
+        the deadline leaves no room for another round."""
+        runners = {
+            c.label: functools.partial(self._timed_run, measuring, c) for c in measuring.runnable
+        }
+        if not runners:
+            return
+        timing.paired_rounds(
+            runners,
+            BASELINE,
+            deadline,
+            progress=self._report_progress,
+            on_run=lambda label, _m: self._publish_partial(measuring, deadline),
+            begun=measuring.rounds,
+            min_rounds=None if len(runners) > 1 else BASELINE_ONLY_ROUNDS,
         )
-        for config in runnable:
+
+    def _combined_config(self, measuring: _Measuring) -> _Config | None:
+        """The recommended fixes together, once each alone has a verdict: two or more
+        measured clearly faster with results the same (or within tolerance)."""
+        recommended = [
+            c.fixes[0]
+            for c in measuring.runnable[1:]
+            if len(c.fixes) == 1 and self._recommends(measuring, c)
+        ]
+        if len(recommended) < 2:
+            return None
+        label = "+".join(sorted(f.check_id for f in recommended))
+        return _Config(label, recommended)
+
+    def _recommends(self, measuring: _Measuring, config: _Config) -> bool:
+        speedup = measuring.rounds.speedup(config.label)
+        if speedup is None or speedup.verdict != verdict.FASTER:
+            return False
+        outputs = measuring.outputs
+        if BASELINE not in outputs or config.label not in outputs:
+            return self._start_state is None  # nothing to compare: no snapshot, no claim
+        tolerance = max(f.tolerance for f in config.fixes)
+        compared = numerics.compare(outputs[BASELINE], outputs[config.label], tolerance)
+        return compared.verdict in ("identical", "close")
+
+    def _profiled_runs(self, measuring: _Measuring, deadline: timing.Deadline) -> None:
+        """Peak memory of each configuration and the model's FLOPs, each from a profiled run
+        (sampled: a short one), where the deadline leaves room for it."""
+        first = measuring.firsts.get(BASELINE)
+        runs = len(measuring.runnable) + 1
+        self._profiled_steps = self.plan.stop if self.plan is not None else None
+        guess = self._profiled_guess(first)
+        if self.plan is not None and not deadline.allows(runs * guess):
+            self._profiled_steps = min(self.plan.stop, steps.PROFILED_STEPS)
+            guess = self._profiled_guess(first)
+        skipped = False
+        for config in measuring.runnable:
+            if not deadline.allows(guess):
+                skipped = True
+                continue
             self._report_progress(1.0, f"peak memory: {config.label}")
-            results[config.label].peak_memory_bytes = self._checked_run(config, outputs, watched)
-        self._count_flops(configs[0])
-        self._note_allocator_drift(configs, baseline_runs)
-        return self._conclude(configs, results, firsts, timed, later, outputs, watched)
+            measuring.results[config.label].peak_memory_bytes = self._checked_run(config)
+        if deadline.allows(guess):
+            self._count_flops(measuring.configs[0])
+        elif self._flops is None and self._flops_detail is None:
+            skipped = True
+        if skipped:
+            self._warn_once(
+                f"peak memory and FLOPs were not measured for every configuration: a profiled "
+                f"run takes about {_seconds(guess)} here and the budget had no room left for "
+                "it (raise --budget to have them)"
+            )
+
+    def _profiled_reserve(self, configurations: int, first: _RunTime | None) -> float:
+        """Seconds to keep for the profiled runs (one per configuration, one for FLOPs),
+        where they are cheap enough (at most PROFILED_SHARE of the budget); else they run
+        only if the rounds leave time."""
+        cost = (configurations + 1) * self._profiled_guess(first)
+        return cost if cost <= PROFILED_SHARE * self.options.budget else 0.0
+
+    def _profiled_guess(self, first: _RunTime | None) -> float:
+        """One profiled run's seconds: the plain run (sampled: its set-up and
+        PROFILED_STEPS steps) slowed as much as the probe was slowed by its
+        instrumentation."""
+        obs = self._observed()
+        if first is None:
+            return obs.wall_s
+        plan = self.plan
+        if plan is not None and first.lead_s is not None and first.step_s is not None:
+            setup = max(0.0, first.lead_s - plan.warmup * first.step_s)
+            plain = setup + self._profiled_stop() * first.step_s  # type: ignore[operator]
+            probe_step = self.step_trace.mean_step_s() if self.step_trace else None
+            slowdown = probe_step / first.step_s if probe_step and first.step_s else None
+        else:
+            plain = first.total_s
+            slowdown = obs.wall_s / first.total_s if not obs.stopped_early else None
+        return plain * max(1.0, slowdown or PROBE_SLOWDOWN)
+
+    def _run_guess(self, measuring: _Measuring, config: _Config) -> float:
+        """How long a configuration's first run will take: the baseline's (measured, or
+        guessed from the probe), with room for a one-time cost (compile, worker start)."""
+        walls = measuring.rounds.walls.get(BASELINE)
+        if walls:
+            base = statistics.median(walls)
+        else:
+            obs = self._observed()
+            base = obs.wall_s / PROBE_SLOWDOWN
+            if self.plan is not None and self.step_trace is not None:
+                step_s = self.step_trace.mean_step_s() or obs.wall_s
+                base = self.plan.stop * step_s / PROBE_SLOWDOWN
+        return base + sum(f.one_time_guess_s for f in config.fixes)
+
+    def _budget_for(self, deadline: timing.Deadline, guess: float) -> float:
+        """The `--budget` that would leave room for a configuration that did not fit: its
+        first run and enough rounds for a verdict, on top of this budget."""
+        rounds = verdict.min_rounds() + 1
+        wanted = deadline.seconds + guess * (1 + 2 * rounds)
+        return float(5 * math.ceil(wanted / 5))
 
     def _note_allocator_drift(self, configs: list[_Config], runs: list[_RunTime]) -> None:
         """Say so when page faults moved the baseline's times by more than
@@ -955,45 +1173,53 @@ class Session:
                 raise
             variant.error = f"the cell raised with this fix: {_error_text(error)}"
 
-    def _on_run(self, results: dict[str, Variant], budget: tuple[float, float]) -> timing.RunDone:
-        def on_run(label: str, measurement: timing.Measurement) -> None:
-            _fill(results[label], measurement)
-            self._publish_partial(results, budget)
-
-        return on_run
-
     def _conclude(
-        self,
-        configs: list[_Config],
-        results: dict[str, Variant],
-        firsts: dict[str, _RunTime],
-        timed: dict[str, timing.Measurement],
-        later: dict[str, list[_RunTime]],
-        outputs: dict[str, numerics.Outputs],
-        watched: tuple[set[str], dict],
+        self, measuring: _Measuring, deadline: timing.Deadline
     ) -> tuple[list[Variant], Variant]:
-        """Statistics, one-time costs, projections, speedups, throughput and numerics."""
-        for label, measurement in timed.items():
-            _fill(results[label], measurement)
-        self._set_one_time_costs(configs, results, firsts, timed, later)
-        self._set_projections(results, firsts, later)
+        """Statistics, one-time costs, projections, speedups with their verdicts,
+        throughput, numerics, and what a budget that ran out would have needed."""
+        results, rounds = measuring.results, measuring.rounds
+        for label in rounds.labels:
+            _fill(results[label], rounds.measurement(label))
+        if BASELINE not in rounds.labels and BASELINE in measuring.firsts:  # no round fitted:
+            only = measuring.firsts[BASELINE].total_s  # the first run is all there is
+            _fill(results[BASELINE], timing.Measurement(BASELINE, [only]))
+            for config in measuring.runnable[1:]:
+                guess = self._run_guess(measuring, config)
+                results[config.label].budget_to_tell_s = self._budget_for(deadline, guess)
+        timed = {label: rounds.measurement(label) for label in rounds.labels}
+        configs = measuring.configs
+        self._set_one_time_costs(configs, results, measuring.firsts, timed, measuring.later)
+        self._set_projections(results, measuring.firsts, measuring.later)
         base = results[BASELINE]
         self._add_throughput(configs, results)
+        speedups = []
         for config in configs[1:]:
             variant = results[config.label]
-            _set_speedup(variant, base)
+            speedup = rounds.speedup(config.label)
+            _set_speedup(variant, base, speedup)
+            if speedup is not None:
+                speedups.append(speedup)
             if self.options.memory and all(f.saves_memory for f in config.fixes):
                 variant.judged_by = "memory"
             if variant.error or variant.speedup is None:
                 continue
             tolerance = max(f.tolerance for f in config.fixes)
+            outputs = measuring.outputs
             if BASELINE in outputs and config.label in outputs:
                 variant.numerics = numerics.compare(
                     outputs[BASELINE], outputs[config.label], tolerance
                 )
             elif self._start_state is None:
                 variant.numerics.detail = "not compared: state restore is off"
-        self._flag_nondeterminism(configs[0], results, outputs, watched)
+        self._flag_nondeterminism(configs[0], results, measuring, deadline)
+        wanted = verdict.budget_to_tell(
+            speedups, deadline.seconds, rounds.seconds, deadline.spent - rounds.seconds
+        )
+        for config in configs[1:]:
+            variant, speedup = results[config.label], rounds.speedup(config.label)
+            if speedup is not None and not speedup.settled and not variant.error and wanted:
+                variant.budget_to_tell_s = wanted
         return [results[c.label] for c in configs[1:]], base
 
     def _stop(self) -> int | None:
@@ -1070,17 +1296,25 @@ class Session:
         self,
         baseline: _Config,
         results: dict[str, Variant],
-        outputs: dict[str, numerics.Outputs],
-        watched: tuple[set[str], dict],
+        measuring: _Measuring,
+        deadline: timing.Deadline,
     ) -> None:
         """A "changed" verdict only means something if the cell repeats itself: run the
-        baseline once more and say so when two baseline runs already differ."""
+        baseline once more (where the deadline leaves room) and say so when two baseline
+        runs already differ."""
         changed = [v for v in results.values() if v.numerics.verdict == "changed"]
+        outputs = measuring.outputs
         if not changed or BASELINE not in outputs:
             return
+        walls = measuring.rounds.walls.get(BASELINE) or [0.0]
+        if not deadline.allows(statistics.median(walls)):
+            note = "not checked whether the cell itself repeats its results (no time left)"
+            for variant in changed:
+                variant.numerics.detail = f"{variant.numerics.detail}; {note}"
+            return
         again: dict[str, numerics.Outputs] = {}
-        stop = self.plan.stop if self.plan else None
-        self._one_run(baseline, functools.partial(self._capture, again, BASELINE, watched), stop)
+        capture = functools.partial(self._capture, again, BASELINE, measuring.watched)
+        self._one_run(baseline, capture, self._stop())
         drift = numerics.compare(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
         if drift.verdict in ("identical", "not-compared"):
             return
@@ -1129,24 +1363,19 @@ class Session:
             variant.peak_tflops = got.peak_tflops
 
     def _profiled_stop(self) -> int | None:
-        """Sampled: profiled runs (memory, FLOPs) stop after a couple of steps."""
+        """Sampled: profiled runs (memory, FLOPs) stop where the timed runs stop, so their
+        peak covers the same work (an evaluation pass at an epoch's end included), or after
+        a couple of steps where the budget has no room for that (`_profiled_runs`)."""
         if self.plan is None:
             return None
-        return min(self.plan.stop, steps.PROFILED_STEPS)
+        return self._profiled_steps or min(self.plan.stop, steps.PROFILED_STEPS)
 
-    def _checked_run(
-        self, config: _Config, outputs: dict[str, numerics.Outputs], watched: tuple[set[str], dict]
-    ) -> int | None:
-        """One untimed run that records peak memory and, from a restored start, outputs
-        (sampled: memory only, over a short run; outputs come from a run to step K)."""
+    def _checked_run(self, config: _Config) -> int | None:
+        """One untimed run that records peak memory (sampled: a short one)."""
         obs = self._observed()
-        stop = self._profiled_stop()
-        observe = None
-        if stop is None:
-            observe = functools.partial(self._capture, outputs, config.label, watched)
         # the probe could profile, so memory profiling is safe too
         measure = memory.profiled if obs.ops is not None else memory.tracked
-        peak = self._one_run(config, observe, stop, measure(obs.device)).watched.peak
+        peak = self._one_run(config, None, self._profiled_stop(), measure(obs.device)).watched.peak
         self._memory_label = peak.label if peak else None
         return peak.bytes if peak else None
 
@@ -1176,22 +1405,27 @@ class Session:
         if warning not in self.warnings:
             self.warnings.append(warning)
 
-    def _publish_partial(self, results: dict[str, Variant], budget: tuple[float, float]) -> None:
-        """Numbers so far, to the front end, at most every PUBLISH_EVERY_S."""
+    def _publish_partial(self, measuring: _Measuring, deadline: timing.Deadline) -> None:
+        """Numbers so far, to the front end, at most every PUBLISH_EVERY_S: provisional
+        (the report's phase says measuring), so no verdict is drawn from them yet."""
         if self.on_report is None or time.perf_counter() - self._published_at < PUBLISH_EVERY_S:
             return
+        results, rounds = measuring.results, measuring.rounds
+        for label in rounds.labels:
+            _fill(results[label], rounds.measurement(label))
         base = results[BASELINE]
-        current = [results[label] for label in results if label != BASELINE]
-        for variant in current:
-            _set_speedup(variant, base)
-        self.publish(self._build_report(base, current, budget, phase="measuring"))
+        current = [results[c.label] for c in measuring.configs[1:]]
+        for config, variant in zip(measuring.configs[1:], current, strict=True):
+            _set_speedup(variant, base, rounds.speedup(config.label))
+            variant.verdict = None  # provisional: the interval is still moving
+        self.publish(self._build_report(base, current, deadline, phase="measuring"))
 
     # report ---------------------------------------------------------------------------------
     def _build_report(
         self,
         baseline: Variant | None = None,
         current: list[Variant] | None = None,
-        budget: tuple[float, float] | None = None,
+        deadline: timing.Deadline | None = None,
         *,
         phase: str,
     ) -> Report:
@@ -1204,8 +1438,8 @@ class Session:
             stats, budget_s, elapsed_s = previous.baseline, previous.budget_s, previous.elapsed_s
         else:
             stats = _stats(baseline or Variant(fixes=[]), self._flops, self._flops_detail)
-            budget_s = budget[0] if budget else None
-            elapsed_s = round(time.perf_counter() - budget[1], 3) if budget else None
+            budget_s = deadline.seconds if deadline else None
+            elapsed_s = round(deadline.spent, 3) if deadline else None
         variants = [*self._history, *(current or [])]
         by_fix = {tuple(v.fixes): v for v in variants}
 
@@ -1231,6 +1465,8 @@ class Session:
             cell_run=self.cell_run,
             oom=self.oom,
             notebook_edits=self.notebook_edits(),
+            recommended=self.recommended(variants) if phase != "measuring" else None,
+            load=self._load,
         )
 
     def _sampling(self) -> Sampling | None:
@@ -1264,16 +1500,22 @@ def _fill(variant: Variant, measurement: timing.Measurement) -> None:
     variant.runs, variant.noisy = measurement.runs, measurement.noisy
 
 
-def _set_speedup(variant: Variant, base: Variant) -> None:
-    """Speedup against this measurement's baseline, and the runs its one-time cost takes
-    to pay back."""
-    if variant.error or not variant.median_s or not base.median_s:
+def _set_speedup(variant: Variant, base: Variant, speedup: Speedup | None) -> None:
+    """The speedup over paired rounds with its interval and verdict, the baseline median it
+    stands against, and the runs its one-time cost takes to pay back."""
+    if variant.error or speedup is None or not variant.median_s or not base.median_s:
         return
-    variant.speedup = base.median_s / variant.median_s
+    variant.speedup = speedup.median
+    variant.speedup_low, variant.speedup_high = speedup.low, speedup.high
+    variant.verdict, variant.rounds = speedup.verdict, speedup.rounds
     variant.baseline_median_s = base.median_s
     saved = base.median_s - variant.median_s
     if variant.one_time_s and saved > 0:
         variant.break_even_runs = math.ceil(variant.one_time_s / saved)
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.1f} s"
 
 
 def _stats(

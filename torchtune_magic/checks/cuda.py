@@ -37,6 +37,7 @@ class CudnnBenchmarkFix(Fix):
 
     check_id = "cudnn-benchmark"
     one_time_cause = "cuDNN autotune"  # every conv shape is tuned on the first run
+    one_time_guess_s = 2.0
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         patcher.switch(torch.backends.cudnn, "benchmark", True)

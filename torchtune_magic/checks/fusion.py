@@ -197,6 +197,7 @@ class CompileFix(Fix):
     check_id = "fuse-pointwise"
     tolerance = TOLERANCE
     one_time_cause = "compile"
+    one_time_guess_s = 10.0  # inductor on a CPU: 4-20 s for a small function here
 
     def __init__(self, targets: list[Target]):
         super().__init__()

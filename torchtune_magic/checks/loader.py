@@ -493,6 +493,7 @@ class _LoaderFix(Fix):
 class WorkersFix(_LoaderFix):
     check_id = "dataloader-workers"
     one_time_cause = "worker start"
+    one_time_guess_s = 1.0  # a few worker processes forked, their first batches loaded
 
     @property
     def warmup_steps(self) -> int:
@@ -528,6 +529,7 @@ class _TrainerArgsFix(Fix):
 class TrainerWorkersFix(_TrainerArgsFix):
     check_id = "dataloader-workers"
     one_time_cause = "worker start"
+    one_time_guess_s = 1.0  # a few worker processes forked, their first batches loaded
 
     @property
     def warmup_steps(self) -> int:

@@ -201,6 +201,9 @@ class Fix:
     # What a first run with the fix can pay once ("compile", "worker start", "cuDNN
     # autotune"). Only such fixes report a one-time cost; for others a slow first run is noise.
     one_time_cause: ClassVar[str] = ""
+    # About what that first run pays, in seconds, before it is measured: a first run that
+    # would end past the budget's deadline is not started
+    one_time_guess_s: ClassVar[float] = 0.0
     # A memory fix (activation checkpointing): under --memory it is judged by its peak
     # memory first and its time second, never called "slower, not recommended".
     saves_memory: ClassVar[bool] = False

@@ -288,6 +288,13 @@ class Snapshot:
         them stays changed."""
         return list(self.python.not_covered) if self.python is not None else []
 
+    @property
+    def reaches_one_way_state(self) -> bool:
+        """Whether the names the cell reads reach something no restore can put back if a
+        run changes it (a generator, an iterator, a file, a socket): a run of the cell that
+        stops part-way could then not be undone."""
+        return bool(self.python is not None and self.python.markers)
+
     def unrestorable_changes(self) -> list[str]:
         """After a run of the cell from this snapshot: what it changed that no restore can
         undo (a generator or iterator advanced, a file read or written, a socket the cell

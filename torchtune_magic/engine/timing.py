@@ -1,14 +1,16 @@
-"""Honest timing: warm-up apart, configurations interleaved, median and IQR.
+"""Honest timing: warm-up apart, configurations in paired rounds, within a deadline.
 
 Each configuration (baseline, each fix set) is a callable doing one run of the cell and
 returning its seconds: the whole run, or per step when runs are sampled (set-up such as
-state restore happens outside the timed region). Runs go round-robin A B C A B C …, rotating
-the start, so machine drift lands on every configuration alike; statistics come from
-`torch.utils.benchmark.Measurement`.
+state restore happens outside the timed region). Runs go in rounds A B C, B C A, …, so
+machine drift lands on every configuration alike, and each fix's time is paired with the
+baseline's of the same round (`verdict`: a speedup per round, an interval over rounds).
+Statistics of one configuration's times come from `torch.utils.benchmark.Measurement`.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,13 +19,13 @@ from torch.utils.benchmark import Measurement as _BenchMeasurement
 from torch.utils.benchmark.utils.common import TaskSpec
 
 from ..report import is_noisy
+from . import verdict
+from .verdict import Speedup
 
 Progress = Callable[[float, str], None]  # (fraction done 0..1, message)
 RunDone = Callable[[str, "Measurement"], None]  # after each run: (label, its measurement)
 
-MIN_ROUNDS = 5
 MAX_ROUNDS = 60
-SETTLED_SPREAD = 0.03  # stop early once every IQR/median is below this
 ONE_TIME_FLOOR_S = 0.005  # a first run slower by less than this is noise, not a one-time cost
 
 
@@ -77,52 +79,117 @@ def one_time_cost(first_s: float | None, steady_s: float | None) -> float | None
     return extra if extra > max(ONE_TIME_FLOOR_S, 0.1 * steady_s) else None
 
 
-def interleaved(
-    runners: dict[str, Callable[[], float]],
-    budget_s: float,
-    progress: Progress | None = None,
-    min_rounds: int = MIN_ROUNDS,
-    on_run: RunDone | None = None,
-    round_s: float | None = None,
-    begun: dict[str, Measurement] | None = None,
-) -> dict[str, Measurement]:
-    """Time every runner round-robin until the spread settles or the budget is spent;
-    `on_run` sees each measurement grow, so numbers can be shown as they come in, and
-    `round_s` (a guess at one round's seconds) lets progress say "round 1 of n" from the start.
-    `begun` holds measurements with rounds already taken (one run each per round).
+@dataclass
+class Deadline:
+    """The end of a measuring budget, counted from `start` (a perf_counter time): the wait
+    the user was promised. Every part of measuring asks it before it starts something."""
 
-    At least two rounds always run, so a median exists even on a tiny budget.
-    """
-    labels = list(runners)
-    results = {label: (begun or {}).get(label) or Measurement(label) for label in labels}
-    first_round = min((m.runs for m in results.values()), default=0)
-    deadline = time.perf_counter() + budget_s
+    seconds: float
+    start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def spent(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return max(0.0, self.seconds - self.spent)
+
+    def allows(self, seconds: float) -> bool:
+        """Whether something taking `seconds` would end before the deadline."""
+        return seconds <= self.left()
+
+
+@dataclass
+class Rounds:
+    """Every timed run, round by round: a round is each configuration still being measured
+    run once, back to back, so each fix's time sits next to a baseline time taken under the
+    same machine conditions (a label absent from a round did not run in it)."""
+
+    baseline: str
+    rounds: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0  # wall time the rounds took, runs and what is done between them
+    # each run's wall time by label (a sampled run returns its time per step, and every run
+    # also restores state first): what foresees whether the next round fits the deadline
+    walls: dict[str, list[float]] = field(default_factory=dict)
+
+    def times(self, label: str) -> list[float]:
+        return [r[label] for r in self.rounds if label in r]
+
+    def measurement(self, label: str) -> Measurement:
+        return Measurement(label, self.times(label))
+
+    def ratios(self, label: str) -> list[float]:
+        """The baseline's time over this configuration's, in each round both ran."""
+        return [
+            r[self.baseline] / r[label]
+            for r in self.rounds
+            if label in r and self.baseline in r and r[label] > 0
+        ]
+
+    def speedup(self, label: str) -> Speedup | None:
+        ratios = self.ratios(label)
+        return Speedup.of(ratios) if ratios else None
+
+    @property
+    def labels(self) -> list[str]:
+        return list(dict.fromkeys(label for r in self.rounds for label in r))
+
+
+def paired_rounds(
+    runners: dict[str, Callable[[], float]],
+    baseline: str,
+    deadline: Deadline,
+    *,
+    progress: Progress | None = None,
+    on_run: RunDone | None = None,
+    begun: Rounds | None = None,
+    min_rounds: int | None = None,
+) -> Rounds:
+    """Time the configurations in rounds (the order rotating from round to round) until
+    every fix's speedup is settled (`verdict.Speedup.settled`) or the next round would end
+    past the deadline. A fix whose speedup settled drops out of later rounds, so the budget
+    goes to those still undecided; the baseline runs in every round. `begun` holds rounds
+    already taken (a sampled measurement's first runs) and the runs' wall times so far. No
+    round starts that its predicted length (each configuration's median wall time so far,
+    the baseline's for one not yet seen) does not leave room for."""
+    wanted = min_rounds if min_rounds is not None else verdict.min_rounds()
+    result = begun if begun is not None else Rounds(baseline)
+    variants = [label for label in runners if label != baseline]
     started = time.perf_counter()
-    expected = min_rounds
-    if round_s:
-        expected = max(2, min(MAX_ROUNDS, first_round + int(budget_s / round_s)))
-    for round_index in range(first_round, MAX_ROUNDS):
-        offset = round_index % len(labels)
-        for position, label in enumerate(labels[offset:] + labels[:offset]):
+    for index in range(len(result.rounds), MAX_ROUNDS):
+        active = [
+            label for label in variants if index < wanted or not _settled(result.speedup(label))
+        ]
+        if variants and not active:
+            break
+        labels = [baseline, *active]
+        base_wall = _typical(result.walls.get(baseline, []))
+        predicted = sum(_typical(result.walls.get(label, [])) or base_wall for label in labels)
+        if not deadline.allows(predicted):
+            break
+        offset = index % len(labels)
+        this_round: dict[str, float] = {}
+        result.rounds.append(this_round)
+        at_most = index + 1 + int(deadline.left() / predicted) if predicted > 0 else MAX_ROUNDS
+        for label in labels[offset:] + labels[:offset]:
             if progress is not None:
-                done = round_index + position / len(labels)
+                share = deadline.spent / deadline.seconds if deadline.seconds else 1.0
                 progress(
-                    min(1.0, done / expected),
-                    f"round {round_index + 1} of {expected}: {label}",
+                    min(1.0, share),
+                    f"round {index + 1} of at most {min(at_most, MAX_ROUNDS)}: {label}",
                 )
-            results[label].times.append(runners[label]())
+            begun_at = time.perf_counter()
+            this_round[label] = runners[label]()
+            result.walls.setdefault(label, []).append(time.perf_counter() - begun_at)
             if on_run is not None:
-                on_run(label, results[label])
-        done_rounds = round_index + 1
-        now = time.perf_counter()
-        per_round = (now - started) / (done_rounds - first_round)
-        left = int(max(0.0, deadline - now) / max(per_round, 1e-9))
-        expected = max(2, min(MAX_ROUNDS, done_rounds + left))
-        if done_rounds < 2:
-            continue
-        settled = all(m.spread <= SETTLED_SPREAD for m in results.values())
-        if done_rounds >= min_rounds and settled:
-            break
-        if now + per_round > deadline:
-            break
-    return results
+                on_run(label, result.measurement(label))
+    result.seconds += time.perf_counter() - started
+    return result
+
+
+def _settled(speedup: Speedup | None) -> bool:
+    return speedup is not None and speedup.settled
+
+
+def _typical(walls: list[float]) -> float:
+    return statistics.median(walls) if walls else 0.0

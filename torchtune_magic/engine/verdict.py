@@ -1,0 +1,139 @@
+"""What paired rounds say about a fix: a speedup with an interval, and a verdict that holds.
+
+Each round times the baseline and the fix back to back, so whatever the machine was doing
+then (another process, a frequency change, the allocator's mood) weighs on both: the ratio
+of the two is the round's speedup. Over the rounds, the median ratio is the speedup and a
+distribution-free confidence interval for that median comes from order statistics (the
+k-th smallest and k-th largest ratios, k from the binomial distribution): no assumption of
+normal noise, and one round stalled by another process moves it by one rank, not by its
+size. A busy 2-core machine makes exactly such outliers.
+
+The verdict reads the interval, never the point alone:
+- "faster": the whole interval above 1 and the median past the no-change band;
+- "slower": the whole interval below 1 and the median past the band on the other side;
+- "no clear change": anything else — an interval straddling 1 never reads "slower". It is
+  *settled* when the interval lies within SETTLED_BAND of 1 (more rounds would not make it
+  a win or a loss worth having); otherwise more rounds could still tell, and when the budget
+  ran out first the report says what `--budget` would have (`budget_to_tell`).
+
+The confidence is high (98%) because the session looks at the interval after every round
+and stops as soon as it is decided; each look is a chance for noise to cross 1.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from ..report import NO_CHANGE_BAND
+
+CONFIDENCE = 0.98
+SETTLED_BAND = 0.05  # an interval within 1 ± this is a settled "no clear change"
+FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
+VERDICTS = (FASTER, SLOWER, NO_CLEAR_CHANGE)
+
+
+def _binomial_cdf(k: int, n: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+
+def rank_for(n: int, confidence: float = CONFIDENCE) -> int | None:
+    """The rank k (1-based) such that the k-th smallest and k-th largest of n ratios bound
+    their median with at least `confidence`; None when n is too small for any."""
+    alpha = (1 - confidence) / 2
+    k = 0
+    while k + 1 <= n // 2 and _binomial_cdf(k, n) <= alpha:
+        k += 1
+    return k if k >= 1 else None
+
+
+def min_rounds(confidence: float = CONFIDENCE) -> int:
+    """The fewest rounds that give an interval at all (7 at 98%)."""
+    n = 1
+    while rank_for(n, confidence) is None:
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """A fix's speedup over paired rounds: the median ratio and its interval."""
+
+    median: float
+    low: float | None  # None: too few rounds for an interval at CONFIDENCE
+    high: float | None
+    rounds: int
+
+    @classmethod
+    def of(cls, ratios: list[float], confidence: float = CONFIDENCE) -> Speedup:
+        ordered = sorted(r for r in ratios if r > 0 and math.isfinite(r))
+        n = len(ordered)
+        if n == 0:
+            raise ValueError("no ratios to summarise")
+        rank = rank_for(n, confidence)
+        median = statistics.median(ordered)
+        if rank is None:
+            return cls(median, None, None, n)
+        return cls(median, ordered[rank - 1], ordered[n - rank], n)
+
+    @property
+    def has_interval(self) -> bool:
+        return self.low is not None and self.high is not None
+
+    @property
+    def verdict(self) -> str:
+        if not self.has_interval:
+            return NO_CLEAR_CHANGE
+        assert self.low is not None and self.high is not None
+        if self.low > 1.0 and self.median >= 1.0 + NO_CHANGE_BAND:
+            return FASTER
+        if self.high < 1.0 and self.median <= 1.0 / (1.0 + NO_CHANGE_BAND):
+            return SLOWER
+        return NO_CLEAR_CHANGE
+
+    @property
+    def settled(self) -> bool:
+        """Whether more rounds are not needed: a verdict either way, or an interval too
+        close to 1 for any change worth having to hide in it."""
+        if not self.has_interval:
+            return False
+        if self.verdict != NO_CLEAR_CHANGE:
+            return True
+        assert self.low is not None and self.high is not None
+        return self.low >= 1.0 / (1.0 + SETTLED_BAND) and self.high <= 1.0 + SETTLED_BAND
+
+    def rounds_to_settle(self) -> int | None:
+        """About how many rounds would settle it, from the interval's width now (it
+        narrows with the square root of the rounds); None when already settled."""
+        if self.settled:
+            return None
+        n = max(self.rounds, 1)
+        if not self.has_interval:
+            return max(min_rounds(), 2 * n)
+        assert self.low is not None and self.high is not None
+        half = (math.log(self.high) - math.log(self.low)) / 2
+        centre = abs(math.log(self.median))
+        # to tell it from 1 the half-width must shrink below the distance to 1; to call it
+        # settled, below what is left of the settled band around the median
+        target = max(centre, math.log(1.0 + SETTLED_BAND) - centre, 0.005)
+        return max(n + 1, math.ceil(n * (half / target) ** 2))
+
+
+def budget_to_tell(
+    speedups: list[Speedup], budget_s: float, spent_on_rounds_s: float, fixed_s: float
+) -> float | None:
+    """The `--budget` that would most likely settle every unsettled speedup: the rounds it
+    needs at the cost per round seen, plus what was spent outside the rounds; rounded up to
+    5 s. None when all are settled or nothing was timed."""
+    unsettled = [s for s in speedups if not s.settled]
+    if not unsettled:
+        return None
+    taken = max((s.rounds for s in speedups), default=0)
+    if taken == 0 or spent_on_rounds_s <= 0:
+        return None
+    needed = max(s.rounds_to_settle() or taken for s in unsettled)
+    per_round = spent_on_rounds_s / taken
+    wanted = fixed_s + needed * per_round
+    return float(max(budget_s + 5, 5 * math.ceil(wanted / 5)))
