@@ -51,7 +51,7 @@ def test_a_speedup_inside_the_noise_band_is_no_measurable_change():
     data = json.loads(json.dumps(SAMPLE))
     data["variants"][0]["speedup"] = 1.01
     out = text.render(Report.from_dict(data))
-    assert "1.01x — no measurable change" in out
+    assert "1.01x — no clear change" in out
 
 
 def _report(edit=None) -> Report:

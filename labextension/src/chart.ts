@@ -5,7 +5,7 @@
 
 import { s } from './dom';
 import { formatBytes, formatSeconds } from './format';
-import { IReport, latestVariants, variantLabel } from './report';
+import { IReport, IVariant, isCurrent, isSlower, isWin, latestVariants, variantLabel } from './report';
 
 type BarKind = 'baseline' | 'better' | 'worse' | 'same';
 
@@ -25,11 +25,20 @@ const GROUP_GAP = 12;
 // labels are right-aligned before the bars: at 12px this many characters fit the width
 const MAX_LABEL_CHARS = 30;
 
-function compare(value: number, baseline: number): BarKind {
+/** Peak memory is one figure per run: less is better, more is worse. */
+function memoryKind(value: number, baseline: number): BarKind {
   if (value < baseline) {
     return 'better';
   }
   return value > baseline ? 'worse' : 'same';
+}
+
+/** A bar's colour follows the verdict of its paired rounds, not which bar is shorter. */
+function kindOf(variant: IVariant): BarKind {
+  if (isWin(variant)) {
+    return 'better';
+  }
+  return isSlower(variant) ? 'worse' : 'same';
 }
 
 function shorten(label: string): string {
@@ -42,13 +51,11 @@ function timeBars(report: IReport): IBar[] {
     return [];
   }
   const bars: IBar[] = [{ label: 'baseline', value: baseline, kind: 'baseline' }];
-  for (const variant of latestVariants(report)) {
+  // only bars measured against this baseline: one from an earlier round stood against
+  // another baseline's runs
+  for (const variant of latestVariants(report).filter(v => isCurrent(report, v))) {
     if (variant.error === null && variant.median_s !== null) {
-      bars.push({
-        label: variantLabel(report, variant),
-        value: variant.median_s,
-        kind: compare(variant.median_s, baseline)
-      });
+      bars.push({ label: variantLabel(report, variant), value: variant.median_s, kind: kindOf(variant) });
     }
   }
   return bars;
@@ -60,7 +67,7 @@ function memoryBars(report: IReport): IBar[] {
     return [];
   }
   const changed = latestVariants(report).filter(
-    v => v.error === null && v.peak_memory_bytes !== null && v.peak_memory_bytes !== baseline
+    v => isCurrent(report, v) && v.error === null && v.peak_memory_bytes !== null && v.peak_memory_bytes !== baseline
   );
   if (changed.length === 0) {
     return [];
@@ -70,7 +77,7 @@ function memoryBars(report: IReport): IBar[] {
     ...changed.map(v => ({
       label: variantLabel(report, v),
       value: v.peak_memory_bytes as number,
-      kind: compare(v.peak_memory_bytes as number, baseline)
+      kind: memoryKind(v.peak_memory_bytes as number, baseline)
     }))
   ];
 }

@@ -7,6 +7,7 @@
 import { copyText, h } from './dom';
 import { APPLY_EVENT, canApplyToNotebook, requestApply } from './notebook-event';
 import { ICellChange, IFinding, IReport } from './report';
+import { editsScope } from './wording';
 
 export const NO_NOTEBOOK_EDITS =
   'Apply to notebook needs JupyterLab or Notebook 7 with the torchtune-magic extension; ' +
@@ -164,8 +165,7 @@ export function renderCodeChanges(
     });
   }
   if (edits && edits.cells.length > 0) {
-    const applied = report.applied ?? [];
-    const scope = applied.length > 0 ? `the fixes applied (${applied.join(', ')})` : 'every finding';
+    const scope = editsScope(report);
     section.appendChild(
       h(
         'div',

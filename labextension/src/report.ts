@@ -9,8 +9,11 @@
 export const MIME_TYPE = 'application/vnd.torchtune-magic.report.v1+json';
 export const SCHEMA_ID = 'torchtune-magic/report/v1';
 
-/** Speedups in [1, 1 + NO_CHANGE_BAND) read "no measurable change" (report.py's band). */
+/** Speedups in [1, 1 + NO_CHANGE_BAND) read "no clear change" (report.py's band). */
 export const NO_CHANGE_BAND = 0.02;
+
+/** A fix's speedup over paired rounds, read from its interval (engine/verdict.py). */
+export type SpeedupVerdict = 'faster' | 'slower' | 'no clear change';
 
 export type Verdict = 'identical' | 'close' | 'changed' | 'not-compared';
 export type Phase = 'measuring' | 'finishing' | 'done' | 'interrupted';
@@ -105,7 +108,22 @@ export interface IVariant extends IStats {
   fits?: boolean | null;
   /** The baseline median this speedup was measured against. */
   baseline_median_s?: number | null;
+  /** The speedup's 98% interval over paired rounds (null: too few rounds for one). */
+  speedup_low?: number | null;
+  speedup_high?: number | null;
+  /** Absent in reports from before paired rounds (then the speedup alone is read). */
+  verdict?: SpeedupVerdict | null;
+  rounds?: number | null;
+  /** The budget ran out before the interval settled: the --budget that would tell. */
+  budget_to_tell_s?: number | null;
   error: string | null;
+}
+
+/** Other processes' CPU time on the kernel's CPUs while it measured. */
+export interface ILoad {
+  window_s: number;
+  other_cpu_s: number;
+  cpus: number;
 }
 
 export interface INotApplicable {
@@ -159,6 +177,9 @@ export interface IReport {
   cell_run?: ICellRun | null;
   oom?: IOutOfMemory | null;
   notebook_edits?: INotebookEdits | null;
+  /** Fixes measured clearly faster with results the same or within tolerance. */
+  recommended?: string[] | null;
+  load?: ILoad | null;
 }
 
 function isObject(value: unknown): value is Record<string, unknown> {
@@ -240,32 +261,50 @@ export function soloVariant(report: IReport, findingId: string): IVariant | unde
   return variantFor(report, [findingId]);
 }
 
-/** A short name for a variant: its fix ids, or "all fixes" for the combined one. */
-export function variantLabel(report: IReport, variant: IVariant): string {
-  const fixable = report.findings.filter(f => f.fixable).length;
-  if (variant.fixes.length > 1 && variant.fixes.length === fixable) {
-    return 'all fixes';
-  }
-  return variant.fixes.join(' + ');
+/** Whether these fixes are the report's recommended set (two or more of them). */
+export function isRecommendedSet(report: IReport, fixes: string[]): boolean {
+  const recommended = report.recommended ?? null;
+  return recommended !== null && fixes.length > 1 && key(recommended) === key(fixes);
 }
 
-/** A clear win: faster beyond the no-change band, without error. */
-export function isWin(variant: IVariant | undefined): boolean {
-  return (
-    variant !== undefined &&
-    variant.error === null &&
-    variant.speedup !== null &&
-    variant.speedup >= 1 + NO_CHANGE_BAND
-  );
+/** A short name for a variant: its fix ids, or "recommended fixes" for that set. */
+export function variantLabel(report: IReport, variant: IVariant): string {
+  return isRecommendedSet(report, variant.fixes) ? 'recommended fixes' : variant.fixes.join(' + ');
 }
 
 /**
- * A check that fired and whose fix, measured alone, gained nothing clear: no error, a
- * speedup below the no-change band, and not a memory fix judged by memory. Shown apart
- * ("checked: no gain here"), never as a finding to act on.
+ * A clear win: the speedup's interval above 1 and the speedup past the no-change band
+ * (reports from before paired rounds: the speedup past the band), without error.
+ */
+export function isWin(variant: IVariant | undefined): boolean {
+  if (variant === undefined || variant.error !== null || variant.speedup === null) {
+    return false;
+  }
+  if (variant.verdict) {
+    return variant.verdict === 'faster';
+  }
+  return variant.speedup >= 1 + NO_CHANGE_BAND;
+}
+
+/** Measured slower: the whole interval below 1 (older reports: a speedup below 1). */
+export function isSlower(variant: IVariant | undefined): boolean {
+  if (variant === undefined || variant.error !== null || variant.speedup === null) {
+    return false;
+  }
+  if (variant.verdict) {
+    return variant.verdict === 'slower';
+  }
+  return variant.speedup < 1;
+}
+
+/**
+ * A check that fired and whose fix, measured alone, gained nothing clear — not a win,
+ * with an interval that settled (more budget would not have told otherwise), no error,
+ * not a memory fix judged by memory — once measuring is done. Shown apart ("checked: no
+ * gain here"), never as a finding to act on; while numbers come in, nothing is concluded.
  */
 export function isNoGain(report: IReport, finding: IFinding): boolean {
-  if (!finding.fixable) {
+  if (!finding.fixable || isMeasuring(report)) {
     return false;
   }
   const variant = soloVariant(report, finding.id);
@@ -274,6 +313,14 @@ export function isNoGain(report: IReport, finding: IFinding): boolean {
     variant.error === null &&
     variant.speedup !== null &&
     variant.judged_by !== 'memory' &&
-    variant.speedup < 1 + NO_CHANGE_BAND
+    !isWin(variant) &&
+    !variant.budget_to_tell_s
   );
+}
+
+/** Measured against the latest baseline (a Re-time since measured other fixes). */
+export function isCurrent(report: IReport, variant: IVariant): boolean {
+  const at = variant.measured_at;
+  const base = report.baseline.measured_at;
+  return !at || !base || at >= base;
 }

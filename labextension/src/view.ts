@@ -20,8 +20,7 @@ import {
   isNoGain,
   isWin,
   latestVariants,
-  soloVariant,
-  variantLabel
+  soloVariant
 } from './report';
 import { flopsBreakdown, throughputBadge, throughputItems } from './throughput';
 import * as words from './wording';
@@ -107,6 +106,10 @@ function renderHeader(report: IReport, live?: ILive): HTMLElement {
   const sampled = words.sampling(report);
   if (sampled) {
     items.push(['Sampled', sampled.replace(/^sampled: /, '')]);
+  }
+  const load = words.load(report);
+  if (load) {
+    items.push(['Machine', load]);
   }
   const run = words.cellRun(report);
   if (run) {
@@ -304,12 +307,12 @@ function renderTogether(report: IReport): HTMLElement[] {
     .map(v => {
       const worded = words.speedup(report, v);
       const memory = words.memory(report, v);
-      const extras = [words.projected(report, v), words.oneTime(v)].filter(Boolean);
+      const extras = [words.projected(report, v), words.oneTime(v), words.measuredBefore(report, v)].filter(Boolean);
       const earlier = words.earlier(earlierMeasurements(report, v));
       return h(
         'p',
         { className: 'ttm-combined' },
-        `${variantLabel(report, v)} together: `,
+        `${words.combinedLabel(report, v)}: `,
         h('span', { className: `ttm-speedup-text ${toneClass(worded.tone)}`, text: worded.text }),
         v.noisy && noisyBadge(),
         memory && badge(memory.text, `ttm-badge-memory ${toneClass(memory.tone)}`, memory.title),

@@ -13,6 +13,7 @@
 import { IActions, ILiveState, IRowMessage, renderProgress, renderReport } from './view';
 import { IReport, parseReport } from './report';
 import { h } from './dom';
+import { MEASURING } from './wording';
 
 /** The part of anywidget's model interface this module uses. */
 interface IModel {
@@ -23,6 +24,7 @@ interface IModel {
 }
 
 const SYNCED = ['report', 'run_id', 'attached', 'busy', 'progress', 'progress_message', 'messages', 'notice', 'code_open'];
+const PROGRESS = ['progress', 'progress_message'];
 
 function state(model: IModel): ILiveState {
   return {
@@ -84,12 +86,36 @@ function draw(model: IModel, el: HTMLElement): void {
   el.replaceChildren(view);
 }
 
+/**
+ * Progress moves with every measuring run: update the bar and its message in place. A
+ * full redraw (parse the report, rebuild every table and the chart) costs the browser
+ * tens of milliseconds on a slow machine, and the kernel's next timed run shares that
+ * machine's CPUs with it.
+ */
+function moveProgress(model: IModel, el: HTMLElement): boolean {
+  const box = el.querySelector('.ttm-progress');
+  const bar = box?.querySelector('progress');
+  const message = box?.querySelector('.ttm-progress-message');
+  if (!box || !bar || !message || !model.get('busy')) {
+    return false;
+  }
+  bar.value = Math.max(0, Math.min(1, Number(model.get('progress') ?? 0)));
+  message.textContent = String(model.get('progress_message') ?? '') || MEASURING;
+  return true;
+}
+
 function render({ model, el }: { model: IModel; el: HTMLElement }): () => void {
   el.classList.add('ttm-panel-host');
   const redraw = () => draw(model, el);
-  SYNCED.forEach(name => model.on(`change:${name}`, redraw));
+  const progress = () => {
+    if (!moveProgress(model, el)) {
+      redraw();
+    }
+  };
+  const handlers = SYNCED.map(name => [name, PROGRESS.includes(name) ? progress : redraw] as const);
+  handlers.forEach(([name, handler]) => model.on(`change:${name}`, handler));
   redraw();
-  return () => SYNCED.forEach(name => model.off(`change:${name}`, redraw));
+  return () => handlers.forEach(([name, handler]) => model.off(`change:${name}`, handler));
 }
 
 export default { render };

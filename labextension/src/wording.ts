@@ -7,14 +7,19 @@ import { formatBytes, formatFactor, formatSeconds } from './format';
 import {
   IReport,
   IVariant,
-  NO_CHANGE_BAND,
   isMeasuring,
-  latestVariants,
-  isWin
+  isRecommendedSet,
+  isSlower,
+  isWin,
+  latestVariants
 } from './report';
 
 export const MEASURING = 'measuring…';
 export const SLOWER = 'measured slower here — not recommended';
+export const NO_CLEAR_CHANGE = 'no clear change';
+export const PROVISIONAL = 'so far (provisional)';
+/** Other processes' busy CPUs worth a line in the report (summary.BUSY_CPUS). */
+const BUSY_CPUS = 0.25;
 export const FITS = 'fits with this fix: it ran past where the cell ran out of memory';
 
 /** Good, bad or neither: the colour a figure is shown in. */
@@ -69,15 +74,43 @@ function memoryFirst(report: IReport, variant: IVariant): string {
   return `${less} peak memory for ${cost}`;
 }
 
+/** ` (1.41×–1.66× over 9 rounds)`: the speedup's interval over paired rounds (summary.interval). */
+export function interval(variant: IVariant): string {
+  if (variant.rounds === null || variant.rounds === undefined) {
+    return '';
+  }
+  const rounds = count(variant.rounds, 'round');
+  const low = variant.speedup_low;
+  const high = variant.speedup_high;
+  if (low === null || low === undefined || high === null || high === undefined) {
+    return ` (${rounds}: too few for an interval)`;
+  }
+  return ` (${formatFactor(low)}–${formatFactor(high)} over ${rounds})`;
+}
+
+/** `not enough time to tell; --budget 60 would`, or "" (summary.not_enough_time). */
+export function notEnoughTime(variant: IVariant): string {
+  const wanted = variant.budget_to_tell_s;
+  if (!wanted) {
+    return '';
+  }
+  return `not enough time to tell; \`--budget ${Math.round(wanted)}\` would`;
+}
+
 /**
- * What a fix measured: `1.54× faster`, `0.98× — measured slower here — not recommended`,
- * `1.01× — no measurable change`, `failed: …`, `measuring…` or `not measured`.
+ * What a fix measured: `1.54× faster (1.41×–1.66× over 9 rounds)`, `0.87× (…) — measured
+ * slower here — not recommended` (only when the whole interval is below 1), `1.01× (…) — no
+ * clear change`, `1.3× so far (provisional)` while measuring, `failed: …`, `measuring…`,
+ * `not measured: not enough time to tell; …` or `not measured`.
  */
 export function speedup(report: IReport, variant: IVariant | undefined): IWorded {
   if (variant?.fits) {
     return { text: FITS, tone: 'good' };
   }
   if (variant === undefined || (variant.speedup === null && variant.error === null)) {
+    if (variant !== undefined && variant.budget_to_tell_s) {
+      return { text: `not measured: ${notEnoughTime(variant)}`, tone: 'neutral' };
+    }
     return isMeasuring(report)
       ? { text: MEASURING, tone: 'pending' }
       : { text: 'not measured', tone: 'neutral' };
@@ -92,13 +125,51 @@ export function speedup(report: IReport, variant: IVariant | undefined): IWorded
     return { text, tone: smaller ? 'good' : 'bad' };
   }
   const base = `${formatFactor(factor)}${perStep(report)}`;
-  if (factor < 1) {
-    return { text: `${base} — ${SLOWER}`, tone: 'bad' };
+  if (isMeasuring(report)) {
+    return { text: `${base} ${PROVISIONAL}`, tone: 'pending' };
   }
-  if (factor < 1 + NO_CHANGE_BAND) {
-    return { text: `${base} — no measurable change`, tone: 'neutral' };
+  const spread = interval(variant);
+  const short = notEnoughTime(variant);
+  const tail = short ? `; ${short}` : '';
+  if (isSlower(variant)) {
+    return { text: `${base}${spread} — ${SLOWER}${tail}`, tone: 'bad' };
   }
-  return { text: `${formatFactor(factor)} faster${perStep(report)}`, tone: isWin(variant) ? 'good' : 'neutral' };
+  if (!isWin(variant)) {
+    return { text: `${base}${spread} — ${NO_CLEAR_CHANGE}${tail}`, tone: 'neutral' };
+  }
+  return { text: `${formatFactor(factor)} faster${perStep(report)}${spread}`, tone: 'good' };
+}
+
+/** `recommended fixes together (a, b)` or `fixes together (a, b)` (summary.combined_label). */
+export function combinedLabel(report: IReport, variant: IVariant): string {
+  const which = isRecommendedSet(report, variant.fixes) ? 'recommended fixes' : 'fixes';
+  return `${which} together (${variant.fixes.join(', ')})`;
+}
+
+/** What the notebook edits carry: the fixes applied, else the recommended ones (summary.edits_scope). */
+export function editsScope(report: IReport): string {
+  const applied = report.applied ?? [];
+  if (applied.length > 0) {
+    return `the fixes applied (${applied.join(', ')})`;
+  }
+  const fixes = report.notebook_edits?.fixes ?? [];
+  return fixes.length > 0 ? `the recommended fixes (${fixes.join(', ')})` : 'the recommended fixes';
+}
+
+/** Other processes' share of the kernel's CPUs while it measured (summary.load_line), or "". */
+export function load(report: IReport): string {
+  const l = report.load;
+  if (!l || l.window_s <= 0) {
+    return '';
+  }
+  const busy = l.other_cpu_s / l.window_s;
+  if (busy < BUSY_CPUS) {
+    return '';
+  }
+  return (
+    `other processes kept ${busy.toFixed(2)} of this kernel's ${l.cpus} CPUs busy ` +
+    `while it measured (${l.other_cpu_s.toFixed(1)} CPU-s in ${l.window_s.toFixed(1)} s)`
+  );
 }
 
 /** `whole cell 61.2 s → 27.0 s (projected)` for a sampled measurement, or "". */

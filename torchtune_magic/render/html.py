@@ -61,13 +61,14 @@ def _tone(report: Report, variant: Variant | None) -> str:
 
 
 def chart(report: Report) -> str:
-    """Before/after bars: baseline and every fix set's newest measurement, to scale."""
+    """Before/after bars: the baseline and every fix set's newest measurement taken against
+    it, to scale (a bar from an earlier round stood against another baseline's runs)."""
     rows: list[tuple[str, float, str]] = []
     if report.baseline.median_s:
         rows.append(("baseline", report.baseline.median_s, "#757575"))
     for variant in report.latest_variants():
-        if variant.median_s and not variant.error:
-            color = "#d32f2f" if variant.is_slower else "#388e3c"
+        if variant.median_s and not variant.error and summary.current(report, variant):
+            color = "#d32f2f" if variant.is_slower else "#388e3c" if variant.is_win else "#757575"
             rows.append(("+".join(variant.fixes), variant.median_s, color))
     if len(rows) < 2:
         return ""
@@ -161,8 +162,7 @@ def _code_changes(report: Report) -> str:
     blocks = []
     edits = report.notebook_edits
     if edits and edits.cells:
-        applied = ", ".join(report.applied)
-        scope = f"the fixes applied ({applied})" if applied else "every finding"
+        scope = summary.edits_scope(report)
         names = " and ".join(_cell_name(c.execution_count) for c in edits.cells)
         blocks.append(f"<div>To make {_e(scope)} permanent, edit {_e(names)}:</div>")
         blocks += [_diff(c.diff, _cell_name(c.execution_count)) for c in edits.cells]
@@ -198,7 +198,7 @@ def render(report: Report) -> str:
             f"{_table(report, no_gain)}</details>"
         )
     together = "".join(
-        f"<p>{_e(', '.join(v.fixes))} together: "
+        f"<p>{_e(summary.combined_label(report, v))}: "
         f'<span style="color:{_TONES[_tone(report, v)]}">{_e(summary.speedup(report, v))}</span>'
         + (
             " " + _badge(summary.memory_badge(report, v), summary.memory_tone(report, v))
@@ -215,6 +215,7 @@ def render(report: Report) -> str:
             summary.oom_line(report),
             summary.phase_line(report),
             summary.sampling_line(report),
+            summary.load_line(report),
             summary.cell_run_line(report),
         )
         if line

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from ..report import NO_CHANGE_BAND, Finding, Report, Stats, Variant
+from ..report import Finding, Report, Stats, Variant
 
 SLOWER = "measured slower here — not recommended"
+NO_CLEAR_CHANGE = "no clear change"
+PROVISIONAL = "so far (provisional)"
 FITS = "fits with this fix: it ran past where the cell ran out of memory"
 MEASURING = "measuring…"
 NO_GAIN = "checked: no gain here"
 MEMORY_SAME = 0.01  # peak memory moved by less than this share reads "same memory"
+BUSY_CPUS = 0.25  # other processes' busy CPUs worth a line in the report
 
 
 def solo_variant(report: Report, finding: Finding) -> Variant | None:
@@ -23,10 +26,12 @@ def count(n: int, noun: str, nouns: str | None = None) -> str:
 
 
 def no_gain(report: Report, finding: Finding) -> bool:
-    """A check that fired and whose fix, measured alone, gained nothing clear (no error, a
-    speedup below the no-change band, not a memory fix judged by memory): shown apart as
-    "checked: no gain here", never as a finding to act on (the labextension's isNoGain)."""
-    if not finding.fixable:
+    """A check that fired and whose fix, measured alone, gained nothing clear — not a win,
+    with an interval that settled (more budget would not have told otherwise), no error,
+    not a memory fix judged by memory — once measuring is done: shown apart as "checked:
+    no gain here", never as a finding to act on (the labextension's isNoGain). While
+    numbers still come in, nothing is concluded."""
+    if not finding.fixable or report.measuring:
         return False
     variant = solo_variant(report, finding)
     return (
@@ -34,7 +39,8 @@ def no_gain(report: Report, finding: Finding) -> bool:
         and not variant.error
         and variant.speedup is not None
         and variant.judged_by != "memory"
-        and variant.speedup < 1.0 + NO_CHANGE_BAND
+        and not variant.is_win
+        and variant.budget_to_tell_s is None
     )
 
 
@@ -108,11 +114,14 @@ def per_step(report: Report) -> str:
 
 
 def speedup(report: Report, variant: Variant | None) -> str:
-    """`1.54x`, `0.87x — measured slower here — not recommended`, `measuring…`, or why not
-    measured; sampled runs add the whole cell, projected."""
+    """`1.54x (1.41x–1.66x over 9 rounds)`, `0.87x — measured slower here — not
+    recommended`, `1.01x — no clear change`, `1.3x so far (provisional)` while measuring,
+    `measuring…`, or why not measured; sampled runs add the whole cell, projected."""
     if variant is not None and variant.fits:
         return FITS
     if variant is None or (variant.speedup is None and not variant.error):
+        if variant is not None and variant.budget_to_tell_s:
+            return f"not measured: {not_enough_time(variant)}"
         return MEASURING if report.measuring else "not measured"
     if variant.error:
         return f"failed: {variant.error}"
@@ -120,14 +129,64 @@ def speedup(report: Report, variant: Variant | None) -> str:
     if variant.judged_by == "memory":
         return memory_first(report, variant)
     text = f"{factor(variant.speedup)}{per_step(report)}"
-    if variant.is_slower:
-        text += f" — {SLOWER}"
-    elif not variant.is_win:
-        text += " — no measurable change"
+    if report.measuring:
+        text += f" {PROVISIONAL}"
+    else:
+        text += interval(variant)
+        if variant.is_slower:
+            text += f" — {SLOWER}"
+        elif not variant.is_win:
+            text += f" — {NO_CLEAR_CHANGE}"
     if variant.noisy:
         text += " (noisy)"
-    extras = [projected(report, variant), one_time_cost(variant), measured_before(report, variant)]
+    extras = [
+        not_enough_time(variant) if not report.measuring else "",
+        projected(report, variant),
+        one_time_cost(variant),
+        measured_before(report, variant),
+    ]
     return "; ".join([text, *(extra for extra in extras if extra)])
+
+
+def interval(variant: Variant) -> str:
+    """` (1.41x–1.66x over 9 rounds)`: the speedup's 98% interval over paired rounds, or
+    `(too few rounds for an interval)`, or '' for a report from before paired rounds."""
+    if variant.rounds is None:
+        return ""
+    rounds = count(variant.rounds, "round")
+    if variant.speedup_low is None or variant.speedup_high is None:
+        return f" ({rounds}: too few for an interval)"
+    return f" ({factor(variant.speedup_low)}–{factor(variant.speedup_high)} over {rounds})"
+
+
+def not_enough_time(variant: Variant) -> str:
+    """`not enough time to tell; --budget 60 would`, or '' when the budget sufficed."""
+    if not variant.budget_to_tell_s:
+        return ""
+    return f"not enough time to tell; `--budget {variant.budget_to_tell_s:.0f}` would"
+
+
+def combined_label(report: Report, variant: Variant) -> str:
+    """What a row of several fixes is: the recommended fixes together, or the fixes named."""
+    if report.recommended is not None and sorted(report.recommended) == sorted(variant.fixes):
+        return f"recommended fixes together ({', '.join(variant.fixes)})"
+    return f"fixes together ({', '.join(variant.fixes)})"
+
+
+def edits_scope(report: Report) -> str:
+    """What the notebook edits carry: the fixes applied, else the recommended ones."""
+    if report.applied:
+        return f"the fixes applied ({', '.join(report.applied)})"
+    return (
+        f"the recommended fixes ({', '.join(report.notebook_edits.fixes)})"
+        if (report.notebook_edits)
+        else "the recommended fixes"
+    )
+
+
+def current(report: Report, variant: Variant) -> bool:
+    """Measured against the latest baseline (a Re-time since measured other fixes)."""
+    return not measured_before(report, variant)
 
 
 def memory_first(report: Report, variant: Variant) -> str:
@@ -228,6 +287,18 @@ def throughput(item: Stats | Variant | None) -> str:
     if item.utilisation is not None and item.peak_tflops:
         text += f", {item.utilisation:.1%} of peak ({item.peak_tflops:.1f} TFLOP/s)"
     return text
+
+
+def load_line(report: Report) -> str:
+    """`other processes kept 0.97 of this kernel's 2 CPUs busy while it measured`, or ''
+    when they were (nearly) idle."""
+    load = report.load
+    if load is None or load.busy_cpus < BUSY_CPUS:
+        return ""
+    return (
+        f"other processes kept {load.busy_cpus:.2f} of this kernel's {load.cpus} CPUs busy "
+        f"while it measured ({load.other_cpu_s:.1f} CPU-s in {load.window_s:.1f} s)"
+    )
 
 
 def baseline_line(report: Report) -> str:

@@ -50,6 +50,7 @@ def render(report: Report) -> str:
             summary.oom_line(report),
             summary.phase_line(report),
             summary.sampling_line(report),
+            summary.load_line(report),
             summary.cell_run_line(report),
         )
         if line
@@ -70,7 +71,7 @@ def render(report: Report) -> str:
     for variant in (v for v in report.latest_variants() if len(v.fixes) > 1):
         lines.append("")
         lines.append(
-            f"all fixes together ({', '.join(variant.fixes)}): {summary.speedup(report, variant)}"
+            f"{summary.combined_label(report, variant)}: {summary.speedup(report, variant)}"
         )
         for label, text in (
             ("memory", summary.memory_change(report, variant)),

@@ -20,6 +20,7 @@ This is the only module that imports anywidget or ipywidgets: the engine never d
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from ..session import Session
 from . import bundle
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
+PROGRESS_EVERY_S = 1.0
 ES_MODULE = STATIC / "widget.js"
 STYLES = STATIC / "widget.css"
 
@@ -89,6 +91,7 @@ class Panel:
         self.report: Report | None = None
         self._cell_parent: dict[str, Any] | None = None
         self._displayed_report = False
+        self._progress_at = 0.0
         # marked from the start (the comm's opening state), for the labextension's coexist
         classes = ["ttm-live-panel", *([f"ttm-run-{run_id}"] if run_id else [])]
         self.widget = PanelWidget(run_id=run_id, _dom_classes=classes)
@@ -113,7 +116,13 @@ class Panel:
 
     # wiring ---------------------------------------------------------------------------------
     def progress(self, fraction: float, message: str) -> None:
-        """The Session's progress callback ("round 2 of 5: debug-anomaly")."""
+        """The Session's progress callback ("round 2: debug-anomaly"), at most every
+        PROGRESS_EVERY_S: each message makes the browser redraw, on the CPUs the kernel's
+        next timed run needs."""
+        now = time.perf_counter()
+        if now - self._progress_at < PROGRESS_EVERY_S and fraction < 1.0:
+            return
+        self._progress_at = now
         with self.widget.hold_sync():
             self.widget.progress = max(0.0, min(1.0, fraction))
             self.widget.progress_message = message
@@ -168,7 +177,7 @@ class Panel:
 
     def apply_wins(self) -> None:
         """Apply every fix whose newest solo measurement was clearly faster than the
-        baseline (a 1.01x is no measurable change, not a win)."""
+        baseline: its interval above 1 (a 1.01x is no clear change, not a win)."""
         report = self._session().report
         if report is None:
             return
