@@ -206,7 +206,7 @@ for _ in range(5):
             break
     print("".join(itos[i] for i in out))
 """,
-    "print(i, float(loss), Xb.shape, g.initial_seed(), torch.equal(g.get_state(), g.get_state()))",
+    "print(i, loss.item(), Xb.shape, g.initial_seed(), torch.equal(g.get_state(), g.get_state()))",
 ]
 
 
