@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from busy_process import BUSY, other_busy_process
 
-from torchtune_magic.engine import load
+from torchtune_magic.engine import load, probe
+from torchtune_magic.engine.workload import Workload
 
 pytestmark = pytest.mark.skipif(load.reading() is None, reason="needs /proc (Linux)")
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -158,3 +159,14 @@ def test_a_changed_affinity_mask_gives_no_load_and_no_reading_gives_none():
     if len(os.sched_getaffinity(0)) > 1:
         assert load.between(start, end) is None
     assert load.since(None) is None
+
+
+def test_the_probe_records_the_load_during_its_run():
+    cell = (
+        "import time\nend = time.perf_counter() + 0.5\nwhile time.perf_counter() < end:\n    pass\n"
+    )
+    with other_busy_process():
+        obs = probe.run(Workload(cell, {}), "cpu")
+    assert obs.load is not None and obs.load.cpus == len(os.sched_getaffinity(0))
+    assert obs.wall_s <= obs.load.window_s < obs.wall_s + 0.5  # the run, and a little more
+    assert obs.load.busy_cpus > 0.9  # the busy process, at the least
