@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from busy_process import other_busy_process
 from workloads import detected, namespace_with
 
 from torchtune_magic import perfcheck
 from torchtune_magic.checks import registry
 from torchtune_magic.checks.precision import AMP_TOLERANCE
-from torchtune_magic.checks.threads import ThreadsFix
-from torchtune_magic.engine import allocator, cpu
+from torchtune_magic.checks.threads import LOAD_MIN_WINDOW_S, OTHER_CORE_SHARE, ThreadsFix
+from torchtune_magic.engine import allocator, cpu, load
 
 TESTS = Path(__file__).resolve().parent
 MLP_SETUP = """
@@ -186,8 +188,13 @@ def test_bf16_amp_composes_with_channels_last_and_compile(monkeypatch, thread_co
 @needs_cores
 def test_a_forgotten_set_num_threads_1_is_flagged_and_measured_then_put_back(thread_count):
     torch.set_num_threads(1)
-    ns = namespace_with(MLP_SETUP)
-    report = perfcheck(MLP_TRAIN, ns, checks="cpu-threads", budget=4)
+    session = detected(MLP_TRAIN, namespace_with(MLP_SETUP), checks="cpu-threads", budget=4)
+    obs = session.observation
+    if not session.detections:  # others kept a core busy meanwhile: 1 thread was right then
+        assert obs.load is not None and obs.load.busy_cpus >= OTHER_CORE_SHARE
+        obs.load = None  # as where the load cannot be read
+        session.detect()
+    report = session.measure()
     [finding] = report.findings
     assert finding.id == "cpu-threads" and finding.fixable
     assert "torch runs 1 intra-op thread" in finding.evidence
@@ -200,11 +207,57 @@ def test_a_forgotten_set_num_threads_1_is_flagged_and_measured_then_put_back(thr
     assert torch.get_num_threads() == 1  # measured, then undone: the user's setting stands
 
 
-def test_default_threads_on_this_machine_stay_silent():
+LOADED_CELL = "%%perfcheck -o -q --checks cpu-threads --budget 2\n" + MLP_TRAIN
+
+
+@needs_cores
+def test_another_busy_process_beside_a_training_cell_asks_for_fewer_threads(ip, thread_count):
+    """One CPU-bound process of someone else's on the cores torch's threads use: the finding
+    says how busy the machine was and offers fewer threads, for now."""
+    torch.set_num_threads(CORES)
+    ip.run_cell(MLP_SETUP)
+    with other_busy_process():
+        report = ip.run_cell(LOADED_CELL).result
+    [finding] = report.findings
+    assert finding.id == "cpu-threads" and finding.fixable
+    evidence = finding.evidence
+    assert f"torch runs {CORES} intra-op threads" in evidence
+    assert "other processes kept " in evidence and "during the probe's run" in evidence
+    assert "of other processes' work on" in evidence
+    busy = float(evidence.split("other processes kept ")[1].split(" of")[0])
+    assert busy >= 0.9  # our busy process alone keeps about one CPU busy
+    assert (
+        "quick trial on mlp forward" in evidence and "during the trial other processes" in evidence
+    )
+    assert "when that work stops, the old count is faster again, so re-check then" in finding.caveat
+    [chosen] = re.findall(r"^\+torch\.set_num_threads\((\d+)\)$", finding.code_change.diff, re.M)
+    assert int(chosen) < CORES
+    assert report.variant_for(["cpu-threads"]).error is None
+    assert torch.get_num_threads() == CORES  # measured, then undone
+
+
+def test_threads_matching_the_cores_stay_silent_unless_other_processes_took_one():
+    """torch's default on this machine: silent while others leave the cores free. The test
+    machine may itself be busy, so the rule is checked on the load the probe measured, and
+    on loads given to the same observation."""
     if torch.get_num_threads() != CORES:
         pytest.skip(f"torch's default here is {torch.get_num_threads()} threads, not {CORES}")
-    report = perfcheck(MLP_TRAIN, namespace_with(MLP_SETUP), checks="cpu-threads", budget=1)
-    assert report.findings == [] and report.not_applicable == []
+    session = detected(MLP_TRAIN, namespace_with(MLP_SETUP), checks="cpu-threads", budget=1)
+    obs, check = session.observation, registry.get("cpu-threads")
+    assert obs.load is not None and obs.load.window_s > 0
+    if obs.load.window_s >= LOAD_MIN_WINDOW_S and obs.load.busy_cpus >= OTHER_CORE_SHARE:
+        [found] = session.detections  # the machine was busy: fired, for that reason
+        assert obs.load.describe() in found.finding.evidence
+    else:
+        assert session.detections == []
+    obs.load = load.Load(1.0, 0.4 * OTHER_CORE_SHARE, CORES)  # a quiet second
+    assert check.detect(obs) == []
+    obs.load = load.Load(0.1, 0.098, CORES)  # a busy CPU, but too short to tell
+    assert check.detect(obs) == []
+    obs.load = load.Load(1.0, 0.98, CORES)  # someone else's process on one core
+    [found] = check.detect(obs)
+    assert f"other processes kept 0.98 of this kernel's {CORES} CPUs busy" in found.finding.evidence
+    assert found.fix.threads < CORES
 
 
 @needs_cores
