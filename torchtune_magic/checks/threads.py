@@ -228,7 +228,7 @@ class ThreadsCheck(Check):
     ) -> tuple[int, str]:
         """The count to offer and the evidence text of how it was chosen; `loaded`: other
         processes' work is a reason, so say what load the trial ran under."""
-        step_proxy = proxy.main_model(obs, backward=False)
+        step_proxy = proxy.main_model(obs)
         if step_proxy is None:
             left = "the cores left free" if wanted < cores else "the available cores"
             return wanted, f"no model call to try counts on: {wanted} ({left})"
