@@ -114,17 +114,22 @@ def test_workers_we_start_are_not_other_load_even_when_they_end_or_start_their_o
     with _pinned_to_one_cpu():
         waited, start = os.times(), load.reading()
         worker = subprocess.Popen([sys.executable, "-c", BUSY])
-        via_shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{BUSY}'; true"])
-        brief = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\n"
-                                  "while time.time() - t < 0.3: pass"])  # fmt: skip
-        brief.wait()
-        time.sleep(WINDOW_S)
-        [grandchild] = _children(via_shell.pid)
-        children_s = _cpu_s(worker.pid) + _cpu_s(via_shell.pid) + _cpu_s(grandchild)
-        end, now = load.reading(), os.times()
-        for child in (worker, via_shell):
-            child.kill()
-            child.wait()
+        # its own process group, so the grandchild goes with it
+        shell = f"{sys.executable} -c '{BUSY}'; true"
+        via_shell = subprocess.Popen(["sh", "-c", shell], start_new_session=True)
+        try:
+            brief = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\n"
+                                      "while time.time() - t < 0.3: pass"])  # fmt: skip
+            brief.wait()
+            time.sleep(WINDOW_S)
+            [grandchild] = _children(via_shell.pid)
+            children_s = _cpu_s(worker.pid) + _cpu_s(via_shell.pid) + _cpu_s(grandchild)
+            end, now = load.reading(), os.times()
+        finally:
+            worker.kill()
+            os.killpg(via_shell.pid, 9)
+            for child in (worker, via_shell):
+                child.wait()
     measured = load.between(start, end)
     assert measured is not None and measured.cpus == 1
     waited_s = now.children_user + now.children_system - waited.children_user
