@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from workloads import namespace_with
+from workloads import LOAD_DEPENDENT, namespace_with
 
 from torchtune_magic import perfcheck
 from torchtune_magic.checks.base import Detection
@@ -70,7 +70,7 @@ def test_training_cell_leaves_state_as_one_plain_run():
 
 def test_report_json_validates_against_the_shipped_schema(tmp_path: Path):
     path = tmp_path / "out" / "report.json"
-    report = perfcheck(TRAIN_CELL, namespace_with(), budget=2, json=path)
+    report = perfcheck(TRAIN_CELL, namespace_with(), budget=2, json=path, skip=LOAD_DEPENDENT)
     data = json.loads(path.read_text())
     jsonschema.validate(data, load_schema())
     assert data["schema"] == "torchtune-magic/report/v1"
@@ -91,14 +91,15 @@ def test_report_json_validates_against_the_shipped_schema(tmp_path: Path):
 
 
 def test_quick_measures_only_baseline_and_all_fixes():
-    report = perfcheck(TRAIN_CELL, namespace_with(), budget=2, quick=True)
+    report = perfcheck(TRAIN_CELL, namespace_with(), budget=2, quick=True, skip=LOAD_DEPENDENT)
     assert [sorted(v.fixes) for v in report.variants] == [["debug-anomaly", "zero-grad-none"]]
 
 
 def test_apply_leaves_the_fix_applied_and_checks_skip_filter():
     ns = namespace_with()
     opt = ns["opt"]
-    report = perfcheck(TRAIN_CELL, ns, budget=1, apply="zero-grad-none", skip="debug-anomaly")
+    skip = f"debug-anomaly,{LOAD_DEPENDENT}"
+    report = perfcheck(TRAIN_CELL, ns, budget=1, apply="zero-grad-none", skip=skip)
     assert [f.id for f in report.findings] == ["zero-grad-none"]
     assert report.applied == ["zero-grad-none"]
     assert "zero_grad" in vars(opt)  # the live optimizer now sets grads to None

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import jsonschema
 import torch
-from workloads import TRAIN_SETUP
+from workloads import LOAD_DEPENDENT, TRAIN_SETUP
 
 from torchtune_magic import magic
 from torchtune_magic.report import Report, load_schema
 
-TRAIN = """%%perfcheck -o --budget 1.5 {extra}
+TRAIN = f"""%%perfcheck -o --budget 1.5 --skip {LOAD_DEPENDENT} {{extra}}
 with torch.autograd.detect_anomaly():
     for step in range(5):
         opt.zero_grad(set_to_none=False)
@@ -21,7 +21,7 @@ with torch.autograd.detect_anomaly():
         opt.step()
 """
 
-INFERENCE = """%%perfcheck -o --budget 1
+INFERENCE = f"""%%perfcheck -o --budget 1 --skip {LOAD_DEPENDENT}
 preds = []
 for i in range(0, 128, 32):
     preds.append(model(X[i:i + 32]))

@@ -1,12 +1,11 @@
-"""A cheap stand-in for the cell's work, for the CPU checks' quick trials.
+"""A cheap stand-in for the cell's work, for `cpu-threads`' quick trial.
 
-Thread counts and allocator behaviour are properties of the process, so the CPU checks time
-a representative piece of the cell without instrumentation instead of the whole cell: the
-main model's forward (and, for a training cell, its backward) on a random input of the
-shape the probe recorded. It leaves the kernel as it was: parameters are read, never
-written (gradients come back from `torch.autograd.grad`, not into `.grad`), buffers such as
-BatchNorm's running statistics are swapped for copies, and the RNG stream is put back.
-User forward hooks on the model do run (as in any forward).
+The thread count is a property of the process, so the check times a representative piece
+of the cell without instrumentation instead of the whole cell: the main model's forward
+under no_grad on a random input of the shape the probe recorded. It leaves the kernel as
+it was: parameters are read, never written, buffers such as BatchNorm's running statistics
+are swapped for copies, and the RNG stream is put back. User forward hooks on the model do
+run (as in any forward).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,11 +30,9 @@ class Proxy:
     module: torch.nn.Module
     path: str
     shape: tuple[int, ...]
-    backward: bool  # the cell trained: time forward + backward
 
     def describe(self) -> str:
-        what = "forward + backward" if self.backward else "forward"
-        return f"{self.path} {what} on a {tuple(self.shape)} input"
+        return f"{self.path} forward on a {tuple(self.shape)} input"
 
     @contextlib.contextmanager
     def ready(self) -> Iterator[Callable[[], None]]:
@@ -46,19 +43,13 @@ class Proxy:
 
     def _step(self, inputs: torch.Tensor) -> None:
         buffers = {name: b.clone() for name, b in self.module.named_buffers()}
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        with torch.set_grad_enabled(self.backward and bool(params)):
-            out = torch.func.functional_call(self.module, buffers, (inputs,), strict=False)
-            if self.backward and params:
-                result = _first_float(out)
-                if result is not None and result.requires_grad:
-                    torch.autograd.grad(result.float().sum(), params, allow_unused=True)
+        with torch.no_grad():
+            torch.func.functional_call(self.module, buffers, (inputs,), strict=False)
 
 
-def main_model(obs: Observation, backward: bool = True) -> Proxy | None:
+def main_model(obs: Observation) -> Proxy | None:
     """The model called from the cell with the most parameters (ties: most calls), if one
-    runs on the CPU on an input the probe recorded and a trial step works; its step has a
-    backward when `backward` is asked and the cell trained."""
+    runs on the CPU on an input the probe recorded and a trial step works."""
     candidates = [
         (use, use.input_shape)
         for use in obs.modules.values()
@@ -67,8 +58,7 @@ def main_model(obs: Observation, backward: bool = True) -> Proxy | None:
     if not candidates:
         return None
     use, shape = max(candidates, key=lambda c: (_size(c[0].module), c[0].outer_calls))
-    training = backward and obs.backward_calls > 0
-    proxy = Proxy(use.module, obs.module_path(use.module), shape, training)
+    proxy = Proxy(use.module, obs.module_path(use.module), shape)
     try:
         with proxy.ready() as step:
             step()
@@ -106,17 +96,3 @@ def _input_for(module: torch.nn.Module, shape: tuple[int, ...]) -> torch.Tensor:
     if leaves and isinstance(leaves[0], torch.nn.Embedding):
         return torch.zeros(shape, dtype=torch.long)
     return torch.randn(shape, dtype=next(module.parameters()).dtype)
-
-
-def _first_float(value: Any, depth: int = 3) -> torch.Tensor | None:
-    """The first floating-point tensor in a model's output (tensor, tuple, dict, HF output)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if depth and isinstance(value, dict):
-        value = list(value.values())
-    if depth and isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_float(item, depth - 1)
-            if found is not None:
-                return found
-    return None

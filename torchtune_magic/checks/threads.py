@@ -4,25 +4,33 @@ Guide, CPU part: "Utilize OpenMP" — one compute thread per physical core, no m
 process may run at once. torch's default is the machine's physical core count, which is too
 many in a container with a CPU quota or a narrowed affinity mask; a `set_num_threads(1)`
 left over from debugging (or `OMP_NUM_THREADS=1`) leaves cores idle; DataLoader workers
-that are busy loading while the main process computes compete with its threads.
+that are busy loading while the main process computes compete with its threads, and so do
+other processes on a shared machine (a notebook server, a busy laptop): torch's threads
+wait for each other at every parallel region, so one thread without a core stalls them
+all. Beside one CPU-bound process on a 2-core machine a 2.8 s training cell ran 13.3 s
+with torch's 2 threads and 2.96 s with 1.
 
-With torch's default on a machine it has to itself the count equals the available cores and
-the check stays silent without timing anything. Otherwise the count is chosen by a quick
-trial: the main model's forward under no_grad (`proxy.py`) timed with each candidate count.
-The trial cannot see busy loader workers, so when they are the reason, the count is the
-cores they leave free and the measurement of the real cell decides.
+The cores left to torch are the available ones less those busy loader workers take and
+those other processes took during the probe (`load.py`: their CPU time on the CPUs this
+process may use; a core per OTHER_CORE_SHARE of a CPU kept busy). Where that equals the
+current count the check stays silent without timing anything. Otherwise the count is
+chosen by a quick trial: the main model's forward under no_grad (`proxy.py`) timed with
+each candidate count, under whatever load there is then. The trial cannot see busy loader
+workers, so when they are the reason, and where no model call exists to try, the count is
+the cores left free, and the measurement of the real cell decides.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, cpu
+from ..engine import codeedit, cpu, load
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from . import proxy
@@ -35,6 +43,15 @@ if TYPE_CHECKING:
 TRIAL_BUDGET_S = 1.5  # all candidate counts together
 TIE = 1.05  # counts within 5% of the fastest tie; ties go to fewer threads
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# Other processes' CPU time during the probe takes a core from torch's threads for every
+# this much of a CPU they kept busy (rounded at it). Measured on a 2-core VM, a 6-step MLP
+# training cell with torch's 2 threads against 1, interleaved, five rounds, beside a busy
+# (or duty-cycled) process and other people's work: 2 threads took 0.60-0.77x the time of 1
+# with 0.02-0.30 CPUs kept busy by others, 0.98-1.08x (a tie) at 0.46-0.64, 2.1-2.6x at
+# 0.83-1.17 and 2.5-6.6x at 1.2-1.6.
+OTHER_CORE_SHARE = 0.75
+# /proc/stat counts in 10 ms ticks per CPU: over a shorter probe the load is too coarse
+LOAD_MIN_WINDOW_S = 0.25
 SETTERS = {"set_num_threads"}
 
 
@@ -128,6 +145,15 @@ def _busy_workers(obs: Observation) -> int:
     )
 
 
+def _other_cores(obs: Observation) -> int:
+    """Cores other processes took from this one during the probe (0 where the load was
+    not measured or the probe was too short to tell)."""
+    seen = obs.load
+    if seen is None or seen.window_s < LOAD_MIN_WINDOW_S:
+        return 0
+    return math.floor(seen.busy_cpus + 1 - OTHER_CORE_SHARE)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
@@ -139,16 +165,18 @@ class ThreadsCheck(Check):
     devices = ("cpu",)
     threshold = (
         "torch.get_num_threads() ≠ the physical cores in the affinity mask capped by the "
-        "cgroup quota, or intra-op threads + busy loader workers > cores (the measurement "
-        "decides: with another process busy on a 2-core machine, 1 thread beat 2)"
+        "cgroup quota, less busy loader workers and a core per 0.75 CPU other processes kept "
+        "busy during the probe (2-core CPU, an MLP training cell, 2 threads against 1: "
+        "0.60-0.77x the time at 0-0.3 CPUs kept busy by others, a tie at 0.46-0.64, "
+        "2.1-2.6x at 0.83-1.17)"
     )
 
     def detect(self, obs: Observation) -> list[Detection]:
         current = torch.get_num_threads()
         cores = cpu.available_cores()
         workers = _busy_workers(obs)
-        oversubscribed = workers > 0 and current + workers > cores.count
-        wanted = max(1, cores.count - workers) if oversubscribed else cores.count
+        others = _other_cores(obs)
+        wanted = max(1, cores.count - workers - others)
         if wanted == current:
             return []
         origin, line = _threads_origin(obs, current)
@@ -156,14 +184,22 @@ class ThreadsCheck(Check):
             f"torch runs {current} intra-op thread{'s' if current > 1 else ''} ({origin}); "
             f"this process may use {cores.count} ({cores.detail})"
         )
-        if oversubscribed:
+        if workers:
             evidence += (
                 f"; {workers} DataLoader workers were busy loading (the cell waited on them) "
-                f"while it computed: {current} + {workers} threads on {cores.count} cores"
+                "while it computed"
             )
+        if others and obs.load is not None:
+            evidence += f"; {obs.load.describe()} during the probe's run"
+        if current > wanted and (workers or others):
+            beside = [f"{workers} busy workers"] if workers else []
+            if others:
+                beside.append(f"{_cores(others)} of other processes' work")
+            evidence += f": {current} threads + {' + '.join(beside)} on {_cores(cores.count)}"
+        if current > wanted and workers:  # the trial cannot see busy workers
             chosen = wanted
         else:
-            chosen, text = self._trial(obs, current, cores.count, wanted)
+            chosen, text = self._trial(obs, current, cores.count, wanted, loaded=others > 0)
             evidence += f"; {text}"
         source = obs.workload.source
         fixed = with_threads(source, chosen)
@@ -179,11 +215,7 @@ class ThreadsCheck(Check):
                     where=f"cell line {line}" if line else "torch's thread pool (process-wide)",
                     fixable=True,
                     line=line,
-                    caveat=(
-                        "the setting is process-wide: other cells run with it too; results "
-                        "may differ in the last bits (reductions split across threads "
-                        "differently)"
-                    ),
+                    caveat=_caveat(others > 0),
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
                 ThreadsFix(chosen),
@@ -192,16 +224,40 @@ class ThreadsCheck(Check):
         ]
 
     @staticmethod
-    def _trial(obs: Observation, current: int, cores: int, wanted: int) -> tuple[int, str]:
-        """The count to offer and the evidence text of how it was chosen."""
-        step_proxy = proxy.main_model(obs, backward=False)
+    def _trial(
+        obs: Observation, current: int, cores: int, wanted: int, loaded: bool
+    ) -> tuple[int, str]:
+        """The count to offer and the evidence text of how it was chosen; `loaded`: other
+        processes' work is a reason, so say what load the trial ran under."""
+        step_proxy = proxy.main_model(obs)
         if step_proxy is None:
-            return wanted, f"no model call to try counts on: {wanted} (the available cores)"
+            left = "the cores left free" if wanted < cores else "the available cores"
+            return wanted, f"no model call to try counts on: {wanted} ({left})"
+        before = load.reading()
         trials = trial(step_proxy, candidates(current, cores, wanted))
+        during = load.since(before)
         best = _pick(trials, current)
         timings = ", ".join(
             f"{t.threads} thread{'s' if t.threads > 1 else ''} {_ms(t.seconds)}" for t in trials
         )
-        return best.threads, (
-            f"quick trial on {step_proxy.describe()} (no_grad): {timings}; {best.threads} chosen"
+        text = f"quick trial on {step_proxy.describe()} (no_grad): {timings}; {best.threads} chosen"
+        if loaded and during is not None:
+            text += f" (during the trial {during.describe()})"
+        return best.threads, text
+
+
+def _cores(count: int) -> str:
+    return f"{count} core{'s' if count != 1 else ''}"
+
+
+def _caveat(loaded: bool) -> str:
+    text = (
+        "the setting is process-wide: other cells run with it too; results may differ in the "
+        "last bits (reductions split across threads differently)"
+    )
+    if loaded:
+        text += (
+            "; the count fits the load other processes put on this machine during the "
+            "probe: when that work stops, the old count is faster again, so re-check then"
         )
+    return text

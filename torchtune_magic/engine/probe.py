@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import allocator, discovery, graphs, loops, memory
+from . import allocator, discovery, graphs, load, loops, memory
 from .fixes import Patcher
 from .steps import StepLimitReached
 from .workload import CellError, Workload, synchronize
@@ -182,6 +182,8 @@ class Observation:
     # minor page faults of this process during the probe run (None where the OS does not
     # report them): the allocator handing memory back to the OS and faulting it in again
     minor_faults: int | None = None
+    # CPU time other processes took on this process's CPUs during the run (None off Linux)
+    load: load.Load | None = None
     # candidates for the cell's step, by (unit, id of the object)
     step_traces: dict[tuple[str, int], StepTrace] = field(default_factory=dict)
     stopped_early: bool = False  # the probe stopped itself at a step boundary (a long cell)
@@ -695,6 +697,7 @@ def _patch_profiler_entries(patcher: Patcher, recorder: _Recorder) -> None:
 def _run_until_stopped(workload: Workload, recorder: _Recorder) -> float:
     """Seconds the run took, to its end or to the step boundary where it was stopped."""
     __tracebackhide__ = True
+    load_before = load.reading()
     recorder.started = time.perf_counter()
     try:
         return workload.run(loop_keys=loops.EVERY)
@@ -704,6 +707,8 @@ def _run_until_stopped(workload: Workload, recorder: _Recorder) -> float:
     except CellError as error:  # what was seen up to the error (say, running out of memory)
         error.observation = recorder.obs
         raise
+    finally:
+        recorder.obs.load = load.since(load_before)
 
 
 def run(
