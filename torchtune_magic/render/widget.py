@@ -91,7 +91,7 @@ class Panel:
         self.report: Report | None = None
         self._cell_parent: dict[str, Any] | None = None
         self._displayed_report = False
-        self._progress_at = 0.0
+        self._progress_at, self._progress_step = 0.0, ""
         # marked from the start (the comm's opening state), for the labextension's coexist
         classes = ["ttm-live-panel", *([f"ttm-run-{run_id}"] if run_id else [])]
         self.widget = PanelWidget(run_id=run_id, _dom_classes=classes)
@@ -116,13 +116,14 @@ class Panel:
 
     # wiring ---------------------------------------------------------------------------------
     def progress(self, fraction: float, message: str) -> None:
-        """The Session's progress callback ("round 2: debug-anomaly"), at most every
-        PROGRESS_EVERY_S: each message makes the browser redraw, on the CPUs the kernel's
-        next timed run needs."""
-        now = time.perf_counter()
-        if now - self._progress_at < PROGRESS_EVERY_S and fraction < 1.0:
+        """The Session's progress callback ("round 2 of at most 9: debug-anomaly"), at most
+        every PROGRESS_EVERY_S unless the step changes (first runs, rounds, profiled runs):
+        each message makes the browser redraw, on the CPUs the kernel's next timed run
+        needs."""
+        now, step = time.perf_counter(), message.split(" ", 1)[0]
+        if now - self._progress_at < PROGRESS_EVERY_S and step == self._progress_step:
             return
-        self._progress_at = now
+        self._progress_at, self._progress_step = now, step
         with self.widget.hold_sync():
             self.widget.progress = max(0.0, min(1.0, fraction))
             self.widget.progress_message = message
