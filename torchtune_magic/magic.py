@@ -46,7 +46,7 @@ def _panel_unavailable(shell: Any) -> str | None:
             f"{error.name} is missing in this kernel's environment: "
             "`pip install torchtune-magic` brings it (then restart the kernel)"
         )
-    from .render.widget import missing_front_end
+    from .render.front_end import missing_front_end
 
     return missing_front_end()
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anywidget
@@ -33,20 +32,13 @@ from ..engine.fixes import FixError
 from ..report import Report
 from ..session import Session
 from . import bundle
+from .front_end import ES_MODULE, STYLES, missing_front_end
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
-ES_MODULE = STATIC / "widget.js"
-STYLES = STATIC / "widget.css"
-
-
-def missing_front_end() -> str | None:
-    """Why the panel's ES module cannot be served (a source checkout not built), or None."""
-    if ES_MODULE.is_file() and STYLES.is_file():
-        return None
-    return (
-        f"the panel's front end ({ES_MODULE.relative_to(STATIC.parent.parent)}) is not "
-        "built: install the package with pip, or run `jlpm build` in labextension/"
-    )
+# anywidget reads `_esm` and `_css` when the class below is defined: without the built
+# files, say how to build them rather than fail deep inside anywidget (the magic asks
+# `front_end.missing_front_end()` first and never imports this module then)
+if (_unbuilt := missing_front_end()) is not None:
+    raise ImportError(f"torchtune_magic's live panel cannot load: {_unbuilt}")
 
 
 class PanelWidget(anywidget.AnyWidget):
