@@ -20,7 +20,7 @@ from IPython.core.magic_arguments import (
     parse_argstring,
 )
 
-from .engine import history
+from .engine import allocator, history
 from .engine.workload import CellError, Workload
 from .options import Options, OptionsError
 from .report import Report
@@ -219,6 +219,8 @@ class PerfcheckMagics(Magics):
                 original = error.original
                 raise original.with_traceback(original.__traceback__) from None
             raise
+        finally:
+            allocator.give_back_freed()
         if session.applied_ids:
             _holding_fixes.append(session)
         if panel is not None:

@@ -28,6 +28,7 @@ import anywidget
 import traitlets
 from IPython.display import display, update_display
 
+from ..engine import allocator
 from ..engine.fixes import FixError
 from ..report import Report
 from ..session import Session
@@ -155,8 +156,13 @@ class Panel:
         session = self._session()
         applied = session.applied_ids
         fix_sets = [applied, *([i] for i in applied)] if len(applied) > 1 else [applied]
-        with self._busy():
-            return session.measure(fix_sets if applied else None, budget_s=session.options.budget)
+        try:
+            with self._busy():
+                return session.measure(
+                    fix_sets if applied else None, budget_s=session.options.budget
+                )
+        finally:
+            allocator.give_back_freed()  # what the profiled runs freed (see its docstring)
 
     def apply_wins(self) -> None:
         """Apply every fix whose newest solo measurement was clearly faster than the
