@@ -54,15 +54,15 @@ def regions(tree: ast.Module, forward_lines: set[int]) -> list[Region]:
     `forward_lines` are the cell lines from which the probe saw the model's forwards run."""
     parents = _parents(tree)
     forwarding = _forwarding_functions(tree, forward_lines)
-    found = []
+    found: dict[tuple[int, int], Region] = {}
     for call in _backward_calls(tree):
         statement = codeedit.statement_of(tree, call)
         if statement is None:
             continue
         region = _region(statement, call, parents, forward_lines, forwarding)
-        if region is not None:
-            found.append(region)
-    return sorted(found, key=lambda r: r.first)
+        if region is not None:  # backwards in both arms of an `if` share their region
+            found.setdefault((region.first, region.last), region)
+    return sorted(found.values(), key=lambda r: r.first)
 
 
 def _region(
@@ -121,10 +121,11 @@ def edit(
     lines = source.splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"
-    if scaler is not None and not all(
-        isinstance(r.backward, ast.Expr) and r.backward.value is r.call for r in found
+    if scaler is not None and (
+        len(found) != len(_backward_calls(tree))
+        or not all(isinstance(r.backward, ast.Expr) and r.backward.value is r.call for r in found)
     ):
-        return None  # a backward inside a larger statement: no clear place for the scaling
+        return None  # a backward without its own region, or inside a larger statement
     edits: list[tuple[int, int, list[str]]] = []  # (first line, last line, new lines)
     for region in found:
         edits.append(_wrapped(source, lines, region, header, loss_name, scaler))
@@ -158,8 +159,9 @@ def _wrapped(
     receiver = call.func.value  # type: ignore[attr-defined]
     receiver_text = ast.get_source_segment(source, receiver) or ast.unparse(receiver)
     new = [f"{indent}{header}:\n", *body]
-    if region.split:
-        new.append(f"{indent}    {loss_name} = {receiver_text}\n")
+    if region.split:  # continuation lines move in with the block
+        moved = receiver_text.replace("\n", "\n    ")
+        new.append(f"{indent}    {loss_name} = {moved}\n")
         receiver_text = loss_name
     elif scaler is None:
         return region.first, region.last, new

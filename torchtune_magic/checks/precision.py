@@ -370,9 +370,14 @@ def amp_change(obs: Observation, uses: list[ModuleUse], dtype: torch.dtype) -> _
             return _AmpChange(elsewhere=[f"run the forward passes under {header}"], models=models)
         fixed = codeedit.wrap_lines(source, *span, header)
         return _AmpChange(fixed, fixed, span[0])
+    scaler_advice = (
+        f"create scaler = torch.amp.GradScaler('{obs.device}') once, then "
+        "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()"
+    )
     found = autocast_edit.regions(tree, _forward_lines(obs, uses))
     if not found:
-        return _AmpChange(elsewhere=[_helper_advice(obs, header)], models=models)
+        advice = [_helper_advice(obs, header), *([scaler_advice] if scaled else [])]
+        return _AmpChange(elsewhere=advice, models=models)
     loss = autocast_edit.free_name(tree, namespace, "loss", "amp_loss")
     run = autocast_edit.edit(source, tree, found, header, loss)
     change = _AmpChange(run, run, found[0].first)
@@ -382,10 +387,7 @@ def amp_change(obs: Observation, uses: list[ModuleUse], dtype: torch.dtype) -> _
         if scaler is not None:
             shown = autocast_edit.edit(source, tree, found, header, loss, scaler)
         if shown is None:
-            change.elsewhere.append(
-                f"create scaler = torch.amp.GradScaler('{obs.device}') once, then "
-                "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()"
-            )
+            change.elsewhere.append(scaler_advice)
         change.shown = shown or run
     return change
 
