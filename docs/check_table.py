@@ -33,8 +33,8 @@ LIVE_FIX: dict[str, str] = {
     "fuse-pointwise": "`torch.compile` the function or module issuing the chains",
     "channels-last": "`model.to(memory_format=torch.channels_last)` + an input pre-hook",
     "activation-checkpointing": "checkpoint each repeated block (`use_reentrant=False`)",
-    "amp": "run under `torch.autocast` (bf16; fp16 with a `GradScaler` when training on a GPU "
-    "without bf16)",
+    "amp": "`torch.autocast` around the forward pass and the loss, never `backward()` or "
+    "`step()` (bf16; fp16 with a `GradScaler` when training on a GPU without bf16)",
     "tf32": '`torch.set_float32_matmul_precision("high")`',
     "cudnn-benchmark": "`torch.backends.cudnn.benchmark = True`",
     "host-sync": "advice only: keep values on the device, read them once",

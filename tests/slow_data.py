@@ -31,3 +31,23 @@ def slow_worker_start(worker_id: int) -> None:
     """A `worker_init_fn` that takes a quarter second, as opening files or a database
     connection in each worker does: a loader without persistent workers pays it every epoch."""
     time.sleep(0.25)
+
+
+class BusyDataset(Dataset):
+    """Each item costs `work` rounds of pure-Python arithmetic: loading that keeps a CPU
+    busy the whole time (no I/O to overlap), so more workers than cores cannot help."""
+
+    def __init__(self, n: int = 64, features: int = 8, work: int = 20_000):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, features, generator=generator)
+        self.y = torch.randn(n, 1, generator=generator)
+        self.work = work
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        total = 0
+        for step in range(self.work):
+            total += step * step % 7
+        return self.x[index] + total * 0.0, self.y[index]

@@ -85,7 +85,12 @@ def test_bf16_autocast_on_an_mlp_training_cell_is_measured_with_its_numerics():
     assert f"this CPU runs bf16 in hardware ({', '.join(BF16)} in its flags)" in evidence
     assert "of the cell's time" in evidence
     assert found.fix.compute_dtype == torch.bfloat16 and not found.fix.scaled  # no GradScaler
-    assert '+with torch.autocast("cpu", dtype=torch.bfloat16):' in found.finding.code_change.diff
+    # the forward and the loss only: backward and the step stay outside the block
+    assert found.finding.code_change.diff.endswith(
+        '+    with torch.autocast("cpu", dtype=torch.bfloat16):\n'
+        "+        loss = nn.functional.cross_entropy(mlp(X), Y)\n"
+        "     loss.backward()\n"
+    )
     caveat = found.finding.caveat
     assert f"relative tolerance of {AMP_TOLERANCE:g}" in caveat and "validation" in caveat
     report = session.measure()

@@ -13,9 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from workloads import namespace_with
 
-from tests.slow_data import SlowDataset
+from tests.slow_data import BusyDataset, SlowDataset
 from torchtune_magic import perfcheck
 from torchtune_magic.checks import loader as loader_checks
+from torchtune_magic.engine import cpu
 from torchtune_magic.session import Session
 
 TRAIN = """
@@ -36,6 +37,7 @@ def namespace(setup: str) -> dict:
         DataLoader=DataLoader,
         TensorDataset=TensorDataset,
         SlowDataset=SlowDataset,
+        BusyDataset=BusyDataset,
     )
 
 
@@ -178,6 +180,77 @@ def test_loader_with_workers_already_stays_silent():
         MODEL + "loader = DataLoader(SlowDataset(32, delay_s=0.002), batch_size=8, num_workers=1)"
     )
     assert detected(TRAIN, ns).detections == []
+
+
+# the worker count: within the cores, figures from their own trials -----------------------
+
+CORES = cpu.available_cores().count
+TRIAL = re.compile(r"(\d+) workers? (\d+\.\d) ms/batch")
+
+
+def _trials(evidence: str) -> dict[int, float]:
+    """Worker count -> ms per batch, as the evidence lists the quick trial."""
+    return {int(k): float(ms) for k, ms in TRIAL.findall(evidence)}
+
+
+def _in_process_ms(evidence: str) -> float:
+    found = re.search(r"loaded in the main process \((\d+\.\d) ms per batch", evidence)
+    assert found, evidence
+    return float(found.group(1))
+
+
+def test_cpu_bound_loading_never_tries_more_workers_than_the_cores_it_may_use():
+    """torch warns above one worker per CPU: for loading that keeps a CPU busy (nothing to
+    overlap), no count above the cores this process may use is tried, chosen or shown."""
+    ns = namespace(MODEL + "loader = DataLoader(BusyDataset(64), batch_size=8)")
+    (detection,) = detected(TRAIN, ns).detections
+    evidence = detection.finding.evidence
+    trials = _trials(evidence)
+    assert trials and max(trials) <= CORES, evidence
+    assert f"workers tried up to the {CORES} cores this process may use" in evidence
+    assert "waits on I/O" not in evidence
+    chosen = re.search(r"; (\d+) chosen", evidence)
+    assert chosen and int(chosen.group(1)) <= CORES
+    assert detection.fix.overrides["num_workers"] <= CORES
+    shown = re.search(r"num_workers=(\d+)", detection.finding.code_change.elsewhere[0])
+    assert shown and int(shown.group(1)) <= CORES
+
+
+def test_io_bound_loading_tries_more_workers_than_cores_and_says_why():
+    """Items that wait (a sleep standing for storage) keep the main process idle: workers
+    overlap the waits beyond the core count, so twice the cores is tried too, and the
+    evidence says why, with the measured share."""
+    ns = namespace(MODEL + "loader = DataLoader(SlowDataset(64, delay_s=0.002), batch_size=8)")
+    (detection,) = detected(TRAIN, ns).detections
+    evidence = detection.finding.evidence
+    above = min(2 * CORES, loader_checks.MAX_WORKERS, 8)
+    if above <= CORES:
+        pytest.skip("this machine has as many cores as there are batches to load")
+    assert above in _trials(evidence), evidence
+    busy = re.search(
+        rf"and {above} because the loading waits on I/O: it kept the main process busy "
+        r"(\d+)% of the time",
+        evidence,
+    )
+    assert busy and int(busy.group(1)) < 100 * loader_checks.IO_BOUND_CPU_SHARE, evidence
+
+
+def test_each_trial_figure_is_measured_on_its_own_epoch():
+    """A cell that stops part-way through a long epoch leaves batches in flight at the end
+    of each trial's warm-up epoch; waiting for them belongs to no figure. Items sleep 4 ms
+    (32 ms a batch), so one worker loads as fast as the main process, two twice as fast."""
+    ns = namespace(
+        MODEL + "loader = DataLoader(SlowDataset(256, delay_s=0.004), batch_size=8, shuffle=True)"
+    )
+    cell = TRAIN.replace("for x, y in loader:", "for i, (x, y) in enumerate(loader):") + (
+        "    if i == 3:\n        break\n"
+    )
+    (detection,) = detected(cell, ns).detections
+    evidence = detection.finding.evidence
+    assert "over 4 batches" in evidence
+    main, trials = _in_process_ms(evidence), _trials(evidence)
+    assert 0.75 * main < trials[1] < 1.3 * main, evidence
+    assert trials[2] < 0.7 * main, evidence
 
 
 @pytest.fixture

@@ -296,14 +296,14 @@ def test_a_kernel_where_the_panel_cannot_render_says_why_in_one_line(
 ) -> None:
     """A front end is there (the shell has a kernel) but the panel's ES module is not: the
     output says so, and how to get the panel, then shows the static report."""
-    from torchtune_magic.render import widget
+    from torchtune_magic.render import front_end
 
-    monkeypatch.setattr(widget, "ES_MODULE", widget.STATIC / "missing.js")
+    monkeypatch.setattr(front_end, "STYLES", front_end.STATIC / "missing.css")
     monkeypatch.setattr(ip, "kernel", object(), raising=False)
     ip.run_cell("%%perfcheck --budget 0.3 --skip cpu-allocator\nx = 1 + 1")
     said = [line for line in capsys.readouterr().out.splitlines() if "no live panel" in line]
     assert said == [
-        "%%perfcheck: no live panel (the panel's front end (torchtune_magic/static/missing.js) "
-        "is not built: install the package with pip, or run `jlpm build` in labextension/); "
-        "showing the static report"
+        "%%perfcheck: no live panel (the panel's front end (torchtune_magic/static/missing.css) "
+        "is not built: run `pip install -e .` in the checkout, or `jlpm build` in "
+        "labextension/); showing the static report"
     ]

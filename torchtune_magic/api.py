@@ -35,6 +35,7 @@ def perfcheck(
     `on_report` receives the report as it grows: findings first, then numbers as they are
     measured, then the cell's complete run.
     """
+    from .engine import allocator
     from .engine.workload import Workload
     from .session import Session
 
@@ -52,7 +53,10 @@ def perfcheck(
         memory=memory,
         no_finish=no_finish,
     )
-    return Session(Workload(cell, namespace), options, progress, on_report).run()
+    try:
+        return Session(Workload(cell, namespace), options, progress, on_report).run()
+    finally:
+        allocator.give_back_freed()  # the profiled runs' freed buffers (see its docstring)
 
 
 def _ipython_namespace() -> dict[str, Any]:

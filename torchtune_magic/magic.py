@@ -20,7 +20,7 @@ from IPython.core.magic_arguments import (
     parse_argstring,
 )
 
-from .engine import history
+from .engine import allocator, history
 from .engine.workload import CellError, Workload
 from .options import Options, OptionsError
 from .report import Report
@@ -46,7 +46,7 @@ def _panel_unavailable(shell: Any) -> str | None:
             f"{error.name} is missing in this kernel's environment: "
             "`pip install torchtune-magic` brings it (then restart the kernel)"
         )
-    from .render.widget import missing_front_end
+    from .render.front_end import missing_front_end
 
     return missing_front_end()
 
@@ -219,6 +219,8 @@ class PerfcheckMagics(Magics):
                 original = error.original
                 raise original.with_traceback(original.__traceback__) from None
             raise
+        finally:
+            allocator.give_back_freed()
         if session.applied_ids:
             _holding_fixes.append(session)
         if panel is not None:

@@ -13,17 +13,21 @@ saves. bf16 needs no loss scaling, so a CPU training cell gets autocast alone.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..engine import codeedit, cpu, discovery, frameworks
+from ..engine import codeedit, cpu, discovery, frameworks, history
 from ..engine.fixes import Fix, Patcher, patched
+from ..engine.history import CallEdit
 from ..report import CodeChange
+from . import autocast_edit
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -70,7 +74,6 @@ CPU_MIN_CALL_FLOPS = 16e6
 AMP_TOLERANCE = 1.6e-2
 # PyTorch's own tests compare TF32 results with 5e-3 (tf32_on_and_off); TF32 keeps 10 bits.
 TF32_TOLERANCE = 5e-3
-CLIP_CALLS = {"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"}
 
 
 def fp32_math(obs: Observation) -> list[ModuleUse]:
@@ -103,18 +106,25 @@ def _ops_text(obs: Observation) -> str:
     return f"; the profiler saw {matmuls} matmul and {convs} convolution ops"
 
 
-def _loop_lines(obs: Observation, uses: list[ModuleUse]) -> tuple[int, int] | None:
-    """First and last line of the cell statements that called these modules (through the
-    outermost module that contains them: inner calls carry no cell line)."""
+def _forward_lines(obs: Observation, uses: list[ModuleUse]) -> set[int]:
+    """Cell lines that called these modules (through the outermost module containing them:
+    inner calls carry no cell line of their own)."""
+    return {line for outer in _models(obs, uses) for line in obs.modules[id(outer)].lines}
+
+
+def _models(obs: Observation, uses: list[ModuleUse]) -> list[nn.Module]:
+    """The outermost modules the cell called that contain these modules."""
     inner = {id(use.module) for use in uses}
-    lines = sorted(
-        {
-            line
-            for outer in obs.modules.values()
-            if outer.outer_calls and any(id(m) in inner for m in outer.module.modules())
-            for line in outer.lines
-        }
-    )
+    return [
+        outer.module
+        for outer in obs.modules.values()
+        if outer.outer_calls and any(id(m) in inner for m in outer.module.modules())
+    ]
+
+
+def _loop_lines(obs: Observation, uses: list[ModuleUse]) -> tuple[int, int] | None:
+    """First and last line of the cell statements that called these modules."""
+    lines = sorted(_forward_lines(obs, uses))
     if not lines:
         return None
     first = codeedit.top_statement_at(obs.tree, lines[0])
@@ -152,34 +162,69 @@ def _scaled_step(optimizer: torch.optim.Optimizer, scaler: Any) -> Any:
     return step
 
 
+def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype) -> Any:
+    """`forward` run under autocast, its outputs left in the dtype autocast gave them."""
+
+    @functools.wraps(forward)
+    def forward_under_autocast(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    return forward_under_autocast
+
+
 class AmpFix(Fix):
-    """Every run of the cell under `torch.autocast(device, dtype)`. With float16 in a training
-    cell, a fresh `GradScaler` per run scales `loss.backward()` and routes every optimizer
-    the cell can reach (found at run time, so a rebuilt one counts) through `scaler.step`
-    and `scaler.update`; all of it is undone when the run ends."""
+    """Autocast around the forward passes and the loss only, as the code change puts it.
+
+    Where the change edits the cell, each run executes the edited cell (`with
+    torch.autocast(...)` around the statements from the model's forward to the loss,
+    backward and the optimizer step after it). Where the forward and the loss run in code
+    the cell calls (a framework's loop, a function from an earlier cell), each model's
+    `forward` runs under autocast while the fix is applied, as accelerate's mixed precision
+    does. With float16 in a training cell, a fresh `GradScaler` per run scales
+    `loss.backward()` and routes every optimizer the cell can reach (found at run time, so
+    a rebuilt one counts) through `scaler.step` and `scaler.update`; all is undone after."""
 
     check_id = "amp"
     tolerance = AMP_TOLERANCE
     cuts_memory_on = frozenset({"cuda"})  # activations kept in half precision
+    context_in_cell = True  # the GradScaler float16 code makes and calls in the cell
 
-    def __init__(self, device_type: str, dtype: torch.dtype, scaled: bool):
+    def __init__(
+        self,
+        device_type: str,
+        dtype: torch.dtype,
+        scaled: bool,
+        *,
+        source: str | None = None,
+        fixed: str | None = None,
+        models: tuple[tuple[nn.Module, str], ...] = (),
+    ):
         super().__init__()
         self.device_type = device_type
         self.compute_dtype = dtype
         self.scaled = scaled
+        self.source = source
+        self.fixed = fixed
+        self.models = models  # (module, its path) whose forward runs under autocast
+
+    def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        for module, path in self.models:
+            wrapped = _autocast_forward(module.forward, self.device_type, self.compute_dtype)
+            patcher.assign(module, "forward", wrapped, f"{path}.forward")
+
+    def edit_source(self, source: str) -> str:
+        if self.fixed is None or self.source is None:
+            return source
+        if source == self.source:
+            return self.fixed
+        return codeedit.combine(self.source, [source, self.fixed])  # after others' edits
 
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-        return self._context(namespace)
-
-    @contextlib.contextmanager
-    def _context(self, namespace: dict[str, Any]) -> Iterator[None]:
-        with torch.autocast(self.device_type, dtype=self.compute_dtype):
-            if not self.scaled:
-                yield
-                return
-            scaler = torch.amp.GradScaler(self.device_type)
-            with patched(lambda patcher: self._scale(patcher, scaler, namespace)):
-                yield
+        if not self.scaled:
+            return contextlib.nullcontext()
+        scaler = torch.amp.GradScaler(self.device_type)
+        return patched(lambda patcher: self._scale(patcher, scaler, namespace))
 
     @staticmethod
     def _scale(patcher: Patcher, scaler: Any, namespace: dict[str, Any]) -> None:
@@ -194,6 +239,21 @@ class AmpFix(Fix):
         found = discovery.of_type(discovery.walk(namespace), torch.optim.Optimizer)
         for entry in found:
             patcher.setattr(entry.obj, "step", _scaled_step(entry.obj, scaler))
+
+
+@dataclass
+class _AmpChange:
+    """What `amp` changes: the cell text shown and the one its live fix runs (None where
+    the change is not in the cell), lines said in words, earlier cells' edits, and the
+    models whose forward the live fix autocasts where the cell text cannot say it."""
+
+    shown: str | None = None
+    run: str | None = None
+    line: int | None = None
+    elsewhere: list[str] = field(default_factory=list)
+    earlier: list[CallEdit] = field(default_factory=list)
+    models: tuple[tuple[nn.Module, str], ...] = ()
+    blocked: str | None = None
 
 
 class AmpCheck(Check):
@@ -232,7 +292,7 @@ class AmpCheck(Check):
         blocked = None
         if scaled and len(obs.optimizers) != 1:
             blocked = "float16 training needs one GradScaler per step: scale it by hand"
-        if scaled and any(codeedit.calls_named(obs.tree, CLIP_CALLS)):
+        if scaled and any(codeedit.calls_named(obs.tree, set(autocast_edit.CLIP_CALLS))):
             blocked = "the cell clips gradients, which must be unscaled first (scaler.unscale_)"
         name = "bfloat16" if dtype == torch.bfloat16 else "float16"
         evidence = f"{_modules_text(uses)} ran in float32 with autocast off{_ops_text(obs)}"
@@ -245,35 +305,26 @@ class AmpCheck(Check):
         evidence += f"; autocast would run them in {name}" + (
             " with a GradScaler" if scaled else ""
         )
+        change = amp_change(obs, uses, dtype)
+        blocked = blocked or change.blocked
         if blocked:
             evidence += f"; not applied live: {blocked}"
-        source = obs.workload.source
-        header = f'with torch.autocast("{obs.device}", dtype=torch.{name})'
-        span = _loop_lines(obs, uses)
-        fixed = codeedit.wrap_lines(source, *span, header) if span else source
-        elsewhere = []
-        trainer = frameworks.args_change(
-            obs.workload,
-            obs.names_before,
-            {"bf16" if dtype == torch.bfloat16 else "fp16": "True"},
-            "when the Trainer is built: make the Trainer again after changing it",
-        )
-        if trainer is not None:  # the Trainer's own mixed precision, not a with-block
-            fixed, span, elsewhere = source, None, list(trainer.elsewhere)
-            if scaled and blocked is None:
-                blocked = (
-                    f"{trainer.owner.name} makes its optimizer inside train(), out of a "
-                    "GradScaler's reach: set fp16=True in its arguments"
-                )
-                evidence += f"; not applied live: {blocked}"
-        if scaled and trainer is None:
-            elsewhere.append(
-                f"create scaler = torch.amp.GradScaler('{obs.device}') once, then "
-                "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()"
+        elif change.run is None and not change.models:
+            blocked = "the models are built by the cell itself, out of a live fix's reach"
+            evidence += f"; not applied live: {blocked}"
+        fix = None
+        if not blocked:
+            fix = AmpFix(
+                obs.device,
+                dtype,
+                scaled,
+                source=obs.workload.source,
+                fixed=change.run,
+                models=change.models,
             )
-        if not span and trainer is None:
-            elsewhere.append(f"run the forward passes under {header}")
-        fix = None if blocked else AmpFix(obs.device, dtype, scaled)
+            fix.seen = obs.places_of(*(module for module, _ in change.models))
+        source = obs.workload.source
+        shown = change.shown or source
         names = sorted({obs.module_path(use.module) for use in uses})
         return [
             Detection(
@@ -281,15 +332,191 @@ class AmpCheck(Check):
                     evidence=evidence,
                     where=", ".join(names[:6]) + (" …" if len(names) > 6 else ""),
                     fixable=fix is not None,
-                    line=span[0] if span else None,
+                    line=change.line,
                     caveat=_amp_caveat(name, training),
-                    code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
+                    code_change=CodeChange(codeedit.unified_diff(source, shown), change.elsewhere),
                 ),
                 fix,
-                fixed if fixed != source else None,
-                trainer.earlier if trainer is not None else [],
+                shown if shown != source else None,
+                change.earlier,
             )
         ]
+
+
+def amp_change(obs: Observation, uses: list[ModuleUse], dtype: torch.dtype) -> _AmpChange:
+    """Where autocast goes for this cell, in the words of its framework when it runs one.
+
+    A training cell gets the forward pass and the loss wrapped (never backward or the
+    optimizer step; with float16 the GradScaler's calls too); an inference cell its
+    forward statements; a Hugging Face or Lightning Trainer its own mixed-precision
+    setting."""
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    header = f'with torch.autocast("{obs.device}", dtype=torch.{name})'
+    training = obs.backward_calls > 0
+    scaled = training and dtype == torch.float16
+    models = tuple(
+        (module, _label(obs, module))
+        for module in _models(obs, uses)
+        if obs.places_of(module)  # reachable from names bound before the cell
+    )
+    framework = _framework_change(obs, dtype, scaled, models)
+    if framework is not None:
+        return framework
+    source, tree = obs.workload.source, obs.tree
+    namespace = obs.workload.namespace
+    if not training:
+        span = _loop_lines(obs, uses)
+        if span is None:
+            return _AmpChange(elsewhere=[f"run the forward passes under {header}"], models=models)
+        fixed = codeedit.wrap_lines(source, *span, header)
+        return _AmpChange(fixed, fixed, span[0])
+    scaler_advice = (
+        f"create scaler = torch.amp.GradScaler('{obs.device}') once, then "
+        "scaler.scale(loss).backward(); scaler.step(opt); scaler.update()"
+    )
+    found = autocast_edit.regions(tree, _forward_lines(obs, uses))
+    if not found:
+        advice = [_helper_advice(obs, header), *([scaler_advice] if scaled else [])]
+        return _AmpChange(elsewhere=advice, models=models)
+    loss = autocast_edit.free_name(tree, namespace, "loss", "amp_loss")
+    run = autocast_edit.edit(source, tree, found, header, loss)
+    change = _AmpChange(run, run, found[0].first)
+    if scaled:
+        scaler = _scaler(obs)
+        shown = None
+        if scaler is not None:
+            shown = autocast_edit.edit(source, tree, found, header, loss, scaler)
+        if shown is None:
+            change.elsewhere.append(scaler_advice)
+        change.shown = shown or run
+    return change
+
+
+def _label(obs: Observation, module: nn.Module) -> str:
+    """How the notebook names a module: by a name bound before the cell where one reaches
+    it (`lit.net`, not the path through a Trainer the cell built)."""
+    labels = [
+        f"{location}.{name}" if name else str(location)
+        for entry in discovery.of_type(obs.found, nn.Module)
+        for location in obs.lasting_locations(entry.obj)[:1]
+        for name, sub in entry.obj.named_modules()
+        if sub is module
+    ]
+    return min(labels, key=len) if labels else obs.module_path(module)
+
+
+def _framework_change(
+    obs: Observation,
+    dtype: torch.dtype,
+    scaled: bool,
+    models: tuple[tuple[nn.Module, str], ...],
+) -> _AmpChange | None:
+    """The Trainer's own mixed precision, for a cell running a Hugging Face or Lightning
+    Trainer: `TrainingArguments(bf16=True)` / `Trainer(precision="bf16-mixed")`. Live, each
+    model's forward runs under autocast (the Trainer reads its setting when it is built)."""
+    workload = obs.workload
+    bf16 = dtype == torch.bfloat16
+    hf = frameworks.args_change(
+        workload,
+        obs.names_before,
+        {"bf16" if bf16 else "fp16": "True"},
+        "when the Trainer is built: make the Trainer again after changing it",
+    )
+    if hf is not None:
+        blocked = None
+        if scaled:
+            blocked = (
+                f"{hf.owner.name} makes its optimizer inside train(), out of a GradScaler's "
+                "reach: set fp16=True in its arguments"
+            )
+        return _AmpChange(
+            elsewhere=list(hf.elsewhere), earlier=hf.earlier, models=models, blocked=blocked
+        )
+    trainer = frameworks.lightning_driver(workload)
+    if trainer is None:
+        return None
+    values = {"precision": '"bf16-mixed"' if bf16 else '"16-mixed"'}
+    change = _AmpChange(models=models)
+    if scaled:
+        change.blocked = (
+            "Lightning steps its optimizers with a closure, which a GradScaler cannot run: "
+            'set precision="16-mixed"'
+        )
+    built = _assigned_call(obs.tree, trainer)
+    if built is not None:  # the Trainer is built in the cell: edit its call there
+        edited = codeedit.with_keywords(
+            workload.source,
+            built.lineno,
+            {codeedit.dotted_name(built.func).rsplit(".", 1)[-1]},
+            values,
+            col=built.col_offset,
+        )
+        change.shown, change.line = edited, built.lineno
+        return change
+    earlier = history.keyword_edit(workload.notebook, workload.namespace, [trainer], values)
+    if earlier is not None:
+        change.earlier = [earlier]
+    else:
+        precision = values["precision"]
+        change.elsewhere = [f"{trainer}: build it with Trainer(..., precision={precision})"]
+    return change
+
+
+def _assigned_call(tree: ast.Module, name: str) -> ast.Call | None:
+    """The call whose result the cell binds to `name` (`trainer = pl.Trainer(...)`)."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+        ):
+            return node.value
+    return None
+
+
+def _scaler(obs: Observation) -> autocast_edit.Scaler | None:
+    """The GradScaler calls in the cell's names: the one optimizer, as a `.step()` call of
+    the cell names it."""
+    if len(obs.optimizers) != 1:
+        return None
+    optimizer = obs.optimizers[0]
+    namespace = obs.workload.namespace
+    for call in codeedit.calls_named(obs.tree, {"step"}):
+        if isinstance(call.func, ast.Attribute):
+            receiver = codeedit.dotted_name(call.func.value)
+            if receiver and _resolved(namespace, receiver) is optimizer:
+                name = autocast_edit.free_name(obs.tree, namespace, "scaler", "grad_scaler")
+                return autocast_edit.Scaler(name, obs.device, receiver)
+    return None
+
+
+def _resolved(namespace: dict[str, Any], dotted: str) -> Any:
+    """The object `a.b.c` names in the namespace (None when it names nothing)."""
+    head, *attributes = dotted.split(".")
+    value = namespace.get(head)
+    for attribute in attributes:
+        value = getattr(value, attribute, None)
+    return value
+
+
+def _helper_advice(obs: Observation, header: str) -> str:
+    """Where to put autocast when the forward, the loss and backward run in a function the
+    cell calls (defined in an earlier cell)."""
+    cell_files = (obs.workload.filename, obs.workload.fixed_filename)
+    names = sorted(
+        {
+            f"{code.co_name}()"
+            for site in obs.graph_sites.values()
+            if site.backpropagated
+            for code in site.functions
+            if code.co_filename not in cell_files
+        }
+    )
+    where = f"in {', '.join(names)} (defined in an earlier cell)" if names else "where it is"
+    return (
+        f"{where}, put the forward pass and the loss under {header}: and call "
+        "loss.backward() and the optimizer's step() after that block"
+    )
 
 
 def _cpu_math_share(obs: Observation) -> float | None:

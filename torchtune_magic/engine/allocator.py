@@ -77,6 +77,8 @@ def _libc() -> ctypes.CDLL | None:
     version.restype = ctypes.c_char_p
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
     return libc
 
 
@@ -118,6 +120,24 @@ def outside_copy(tensor: torch.Tensor) -> torch.Tensor:
     copy = copy.view(source.dtype).view(source.shape)
     copy.copy_(source)
     return copy
+
+
+def give_back_freed() -> None:
+    """Hand the free memory glibc keeps inside its heaps back to the OS (`malloc_trim(0)`).
+
+    glibc returns freed memory by itself only from the top of a heap. The profiler that
+    perfcheck's instrumented runs use (the probe, each configuration's peak memory) fills the
+    heap with its event buffers between allocations that stay, and frees them afterwards:
+    holes glibc keeps. Measured here on a 4-layer MLP training cell, 20 profiled runs grew a
+    process from 324 to 480 MiB resident (20 plain runs: flat), all of it free heap that
+    `malloc_trim(0)` gave back. Called once a %%perfcheck run or a Re-time is over, when
+    nothing timed follows: the pages it releases are faulted in again by whatever next
+    reuses them. A no-op where malloc is not glibc's (musl, macOS, a preloaded jemalloc or
+    tcmalloc, which manage their own)."""
+    libc = _libc()
+    if libc is None or preloaded() is not None:
+        return
+    libc.malloc_trim(0)
 
 
 def preloaded() -> str | None:

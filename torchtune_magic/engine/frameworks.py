@@ -35,6 +35,7 @@ HF_MODULES = ("transformers",)
 HF_STATE_MODULES = ("transformers", "accelerate")
 # Trainer methods that build a DataLoader from `self.args` on every call
 HF_RUN_METHODS = frozenset({"train", "evaluate", "predict"})
+LIGHTNING_RUN_METHODS = frozenset({"fit", "validate", "test", "predict"})
 
 
 def _root(cls: type) -> str:
@@ -53,6 +54,23 @@ def lightning_trainers(namespace: dict[str, Any]) -> list[Any]:
         ):
             found.append(value)
     return found
+
+
+def lightning_driver(workload: Workload) -> str | None:
+    """The name of the Lightning Trainer the cell runs (`trainer.fit(...)`, `.validate`,
+    `.test`, `.predict`), built before the cell or by it; None when it runs none."""
+    trainers = {id(t) for t in lightning_trainers(workload.namespace)}
+    for node in ast.walk(workload.tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        target = node.func.value
+        if (
+            node.func.attr in LIGHTNING_RUN_METHODS
+            and isinstance(target, ast.Name)
+            and id(workload.namespace.get(target.id)) in trainers
+        ):
+            return target.id
+    return None
 
 
 def lightning_total_batches(trainer: Any) -> tuple[int, str] | None:

@@ -67,6 +67,12 @@ def profiled(device: str) -> Iterator[Profile]:
 
     Reads the profiler's raw event tree rather than `prof.events()`, which costs more than
     the run itself on short cells.
+
+    The recorded events are dropped as soon as they are read: `torch.profiler.profile`
+    refers to itself (its action map holds its bound methods), so it lives until Python's
+    cyclic collector runs, and with it every event of the run in C++ memory. Left to the
+    collector, a kernel checking a small MLP training cell grew by 8 MiB per %%perfcheck
+    (20 profiled runs: 324 to 480 MiB resident; dropped here: flat at 340 MiB).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -76,15 +82,18 @@ def profiled(device: str) -> Iterator[Profile]:
         activities.append(ProfilerActivity.CUDA)
     _warm_up_profiler_once()
     prof = profile(activities=activities, profile_memory=True)
-    with tracked(device) as cuda_tracker:
-        with _native_stderr_silenced():
-            prof.start()
-        try:
-            yield result
-        finally:
+    try:
+        with tracked(device) as cuda_tracker:
             with _native_stderr_silenced():
-                prof.stop()
-    _read_tree(prof.profiler.kineto_results.experimental_event_tree(), result)
+                prof.start()
+            try:
+                yield result
+            finally:
+                with _native_stderr_silenced():
+                    prof.stop()
+        _read_tree(prof.profiler.kineto_results.experimental_event_tree(), result)
+    finally:
+        prof.profiler = None  # the events (see above), whether the block raised or not
     result.peak = cuda_tracker.peak if device == "cuda" else Peak(result.peak_cpu, CPU_LABEL)
 
 

@@ -23,32 +23,26 @@ import contextlib
 import time
 import traceback
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anywidget
 import traitlets
 from IPython.display import display, update_display
 
+from ..engine import allocator
 from ..engine.fixes import FixError
 from ..report import Report
 from ..session import Session
 from . import bundle
+from .front_end import ES_MODULE, STYLES, missing_front_end
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
 PROGRESS_EVERY_S = 1.0
-ES_MODULE = STATIC / "widget.js"
-STYLES = STATIC / "widget.css"
 
-
-def missing_front_end() -> str | None:
-    """Why the panel's ES module cannot be served (a source checkout not built), or None."""
-    if ES_MODULE.is_file() and STYLES.is_file():
-        return None
-    return (
-        f"the panel's front end ({ES_MODULE.relative_to(STATIC.parent.parent)}) is not "
-        "built: install the package with pip, or run `jlpm build` in labextension/"
-    )
+# anywidget reads `_esm` and `_css` when the class below is defined: without the built
+# files, say how to build them rather than fail deep inside anywidget (the magic asks
+# `front_end.missing_front_end()` first and never imports this module then)
+if (_unbuilt := missing_front_end()) is not None:
+    raise ImportError(f"torchtune_magic's live panel cannot load: {_unbuilt}")
 
 
 class PanelWidget(anywidget.AnyWidget):
@@ -173,8 +167,13 @@ class Panel:
         session = self._session()
         applied = session.applied_ids
         fix_sets = [applied, *([i] for i in applied)] if len(applied) > 1 else [applied]
-        with self._busy():
-            return session.measure(fix_sets if applied else None, budget_s=session.options.budget)
+        try:
+            with self._busy():
+                return session.measure(
+                    fix_sets if applied else None, budget_s=session.options.budget
+                )
+        finally:
+            allocator.give_back_freed()  # what the profiled runs freed (see its docstring)
 
     def apply_wins(self) -> None:
         """Apply every fix whose newest solo measurement was clearly faster than the
