@@ -85,6 +85,8 @@ FINISH_PROGRESS_EVERY_S = 0.25
 COMBINED_SHARE_OF_ROUNDS = 0.35  # kept for the recommended fixes together, once known
 PROFILED_SHARE = 0.25  # profiled runs are reserved for only when they cost at most this
 BASELINE_ONLY_ROUNDS = 3  # timed runs of a cell with no fix to measure
+TRIALS_SHARE = 0.25  # of the budget, for the checks' own trials together
+GIVE_UP_AFTER_DEADLINE_S = 1.0  # a run to a step still going this long past the deadline stops
 
 # Where the kernel stands relative to the contract "as if the cell ran once"
 AFTER_ONE_RUN = "after one run"
@@ -198,6 +200,7 @@ class Session:
         # file written): the cell is then not run again, and these say why
         self._one_way: list[str] = []
         self._profiled_steps: int | None = None  # where the profiled runs stop (sampled)
+        self._give_up_at: float | None = None  # a run to a step past this stops (measuring)
 
     # the one-shot flow ----------------------------------------------------------------------
     def run(self) -> Report:
@@ -322,7 +325,11 @@ class Session:
         return obs
 
     def detect(self) -> list[Detection]:
+        """Run every check wanted on the probe's observation. Their trials (worker counts,
+        thread counts, plain runs) share TRIALS_SHARE of the budget: they come out of it."""
         obs = self._observed()
+        # a cell that changed what no restore can put back is not run again, trials included
+        obs.trials_s = 0.0 if self._one_way else TRIALS_SHARE * self.options.budget
         self.detections, self.not_applicable = [], []
         for check in registry.all_checks():
             if not self.options.wants(check.id):
@@ -783,7 +790,10 @@ class Session:
         """Run the cell once from the start state with the config's fixes applied; with
         `stop`, the run ends after that step (`observe` sees the state there). `watched`
         (peak memory, FLOPs) opens once the start state is back, so what the previous run
-        left and the restore frees is not counted against this run.
+        left and the restore frees is not counted against this run. A run to a step that
+        is still going when the measurement's deadline has passed stops at the next step
+        boundary and raises timing.OutOfTime (a fix that makes the cell far slower than
+        foreseen cannot overrun the budget by more than a step).
 
         A measuring run of a cell whose cost depends on the stack (anomaly detection on)
         executes the cell under the stack a plain run of it has (`plain_stack`)."""
@@ -800,11 +810,17 @@ class Session:
         if stop is not None and plan is not None:
             epoch_end = plan.epoch_end if timed_run else None
             counter = steps.StepCounter(
-                plan.source, warmup=plan.warmup, stop=stop, epoch_end=epoch_end
+                plan.source,
+                warmup=plan.warmup,
+                stop=stop,
+                epoch_end=epoch_end,
+                give_up_at=self._give_up_at,
             )
         elif stop is not None and self.step_trace is not None:  # a run to a step, untimed
             counter = steps.StepCounter(
-                steps.source_of(self._observed(), self.step_trace), stop=stop
+                steps.source_of(self._observed(), self.step_trace),
+                stop=stop,
+                give_up_at=self._give_up_at,
             )
         with (
             watched or nullcontext() as seen,
@@ -823,6 +839,8 @@ class Session:
             except steps.StepLimitReached:
                 seconds = time.perf_counter() - started
             faults = allocator.minor_faults() - faults
+            if times is not None and times.gave_up:
+                raise timing.OutOfTime(f"{config.label}: stopped at step {times.count}")
             if observe is not None:
                 observe()
         if times is None or self.plan is None:
@@ -914,6 +932,15 @@ class Session:
         room for it; what did not fit says what `--budget` would have measured it."""
         planned = len(configs) + (1 if combine else 0)
         self._sample_plan(planned, deadline.left())
+        self._give_up_at = deadline.start + deadline.seconds + GIVE_UP_AFTER_DEADLINE_S
+        try:
+            return self._measured(configs, deadline, combine, planned)
+        finally:
+            self._give_up_at = None
+
+    def _measured(
+        self, configs: list[_Config], deadline: timing.Deadline, combine: bool, planned: int
+    ) -> tuple[list[Variant], Variant]:
         measuring = _Measuring(configs, self._watched_outputs())
         self._first_runs(measuring, deadline, planned)
         reserve = self._profiled_reserve(len(measuring.runnable), measuring.firsts.get(BASELINE))
@@ -961,13 +988,17 @@ class Session:
                     )
                     return
                 continue
-            if label == BASELINE and self.plan is not None and not self._plan_calibrated:
-                first = self._one_run(config, stop=self._stop())
-                measuring.firsts[BASELINE] = first
-                self._calibrate(first, planned, deadline.left())
             self._report_progress(deadline.spent / deadline.seconds, f"first run: {label}")
-            with self._failures_noted(config, results[label]):
-                started = time.perf_counter()
+            started = time.perf_counter()
+            with (
+                self._failures_noted(config, results[label]),
+                self._out_of_time(measuring, config, deadline, started),
+            ):
+                if label == BASELINE and self.plan is not None and not self._plan_calibrated:
+                    first = self._one_run(config, stop=self._stop())
+                    measuring.firsts[BASELINE] = first
+                    self._calibrate(first, planned, deadline.left())
+                    started = time.perf_counter()
                 value = self._timed_run(measuring, config)
                 if not any(f.one_time_cause for f in config.fixes):  # what a round will take
                     wall = time.perf_counter() - started
@@ -977,11 +1008,29 @@ class Session:
                     first_round[label] = value
                     _fill(results[label], timing.Measurement(label, [value]))
             self._publish_partial(measuring, deadline)
+            if BASELINE not in measuring.firsts:  # nothing to stand a fix against
+                return
         if first_round:
             if only and measuring.rounds.rounds:  # a late configuration: not a round of its own
                 measuring.rounds.rounds[-1].update(first_round)
             else:
                 measuring.rounds.rounds.append(first_round)
+
+    @contextmanager
+    def _out_of_time(
+        self, measuring: _Measuring, config: _Config, deadline: timing.Deadline, started: float
+    ) -> Iterator[None]:
+        """A first run stopped at the deadline: the configuration is not measured, and the
+        report says what budget would have had room for it."""
+        try:
+            yield
+        except timing.OutOfTime:
+            taken = time.perf_counter() - started
+            measuring.results[config.label].budget_to_tell_s = self._budget_for(deadline, taken)
+            self._warn_once(
+                f"{config.label}: a run did not finish within the budget (stopped after "
+                f"{_seconds(taken)}), so it was not measured"
+            )
 
     def _timed_run(self, measuring: _Measuring, config: _Config) -> float:
         """One run of the configuration; the first captures what the cell produced
@@ -1054,16 +1103,22 @@ class Session:
             self._profiled_steps = min(self.plan.stop, steps.PROFILED_STEPS)
             guess = self._profiled_guess(first)
         skipped = False
+        # the baseline's peak memory and FLOPs first (the reserve is kept for those at least),
+        # then each fix's peak memory while time is left
         for config in measuring.runnable:
             if not deadline.allows(guess):
                 skipped = True
                 continue
             self._report_progress(1.0, f"peak memory: {config.label}")
-            measuring.results[config.label].peak_memory_bytes = self._checked_run(config)
-        if deadline.allows(guess):
-            self._count_flops(measuring.configs[0])
-        elif self._flops is None and self._flops_detail is None:
-            skipped = True
+            try:
+                measuring.results[config.label].peak_memory_bytes = self._checked_run(config)
+            except timing.OutOfTime:
+                skipped = True
+            if config.label == BASELINE:
+                if deadline.allows(guess):
+                    self._count_flops(measuring.configs[0])
+                elif self._flops is None and self._flops_detail is None:
+                    skipped = True
         if skipped:
             self._warn_once(
                 f"peak memory and FLOPs were not measured for every configuration: a profiled "
@@ -1072,11 +1127,15 @@ class Session:
             )
 
     def _profiled_reserve(self, configurations: int, first: _RunTime | None) -> float:
-        """Seconds to keep for the profiled runs (one per configuration, one for FLOPs),
-        where they are cheap enough (at most PROFILED_SHARE of the budget); else they run
-        only if the rounds leave time."""
-        cost = (configurations + 1) * self._profiled_guess(first)
-        return cost if cost <= PROFILED_SHARE * self.options.budget else 0.0
+        """Seconds to keep for the profiled runs (one per configuration, one for FLOPs)
+        where they are cheap enough (at most PROFILED_SHARE of the budget), else for the
+        baseline's two (its peak memory and FLOPs); the others run if the rounds leave
+        time."""
+        guess, most = self._profiled_guess(first), PROFILED_SHARE * self.options.budget
+        for runs in (configurations + 1, 2):
+            if runs * guess <= most:
+                return runs * guess
+        return 0.0
 
     def _profiled_guess(self, first: _RunTime | None) -> float:
         """One profiled run's seconds: the plain run (sampled: its set-up and
@@ -1202,7 +1261,7 @@ class Session:
                 speedups.append(speedup)
             if self.options.memory and all(f.saves_memory for f in config.fixes):
                 variant.judged_by = "memory"
-            if variant.error or variant.speedup is None:
+            if variant.error:
                 continue
             tolerance = max(f.tolerance for f in config.fixes)
             outputs = measuring.outputs
@@ -1314,7 +1373,10 @@ class Session:
             return
         again: dict[str, numerics.Outputs] = {}
         capture = functools.partial(self._capture, again, BASELINE, measuring.watched)
-        self._one_run(baseline, capture, self._stop())
+        try:
+            self._one_run(baseline, capture, self._stop())
+        except timing.OutOfTime:
+            return
         drift = numerics.compare(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
         if drift.verdict in ("identical", "not-compared"):
             return
@@ -1333,6 +1395,8 @@ class Session:
         stop = self._profiled_stop()
         try:
             count = utilisation.count(functools.partial(self._one_run, baseline, stop=stop))
+        except timing.OutOfTime:  # no room left this time; a later measurement may count
+            return
         except Exception as error:
             self._flops_detail = (
                 f"FLOPs not counted: the cell failed under FlopCounterMode ({_error_text(error)})"

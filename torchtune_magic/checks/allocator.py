@@ -117,7 +117,8 @@ class AllocatorCheck(Check):
         probe_share = min(1.0, faults * cost / obs.wall_s)
         if probe_share < PROBE_SHARE:
             return []
-        samples = plain_sample.runs(obs.workload, PLAIN_RUNS, PLAIN_RUN_S)
+        limit = obs.trial_time(PLAIN_RUNS * PLAIN_RUN_S) / PLAIN_RUNS
+        samples = plain_sample.runs(obs.workload, PLAIN_RUNS, limit) if limit > 0 else None
         if not samples:
             return []
         plain = _steadiest(samples)

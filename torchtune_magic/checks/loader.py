@@ -413,15 +413,16 @@ def worker_candidates(batches: int, cores: int, io_bound: bool) -> list[int]:
 
 
 def pick_workers(
-    plan: _LoaderPlan, use: LoaderUse, loading: Epoch, cores: int
+    plan: _LoaderPlan, use: LoaderUse, loading: Epoch, cores: int, seconds: float
 ) -> tuple[int | None, list[Trial]]:
-    """Time each candidate worker count on a fresh epoch; keep the fastest, stop the rest.
+    """Time each candidate worker count on a fresh epoch, within `seconds` in all; keep the
+    fastest, stop the rest.
 
     Ties within 5% go to fewer workers (less memory, fewer processes), so a count above
     the cores is kept only when the trial measured it clearly faster.
     """
     candidates = worker_candidates(use.batches, cores, loading.io_bound)
-    budget = TRIAL_BUDGET_S / len(candidates)
+    budget = seconds / len(candidates)
     trials = []
     with _rng_kept(plan.original), warnings.catch_warnings():
         # torch warns above one worker per CPU; the trial tries more only for loading that
@@ -666,7 +667,8 @@ class WorkersCheck(Check):
         cores = cpu.available_cores()
         if blocked is None:
             plan = plan_for(loader, target.locations)
-            workers, trials = pick_workers(plan, use, loading, cores.count)
+            seconds = obs.trial_time(TRIAL_BUDGET_S)
+            workers, trials = pick_workers(plan, use, loading, cores.count, seconds)
             evidence += (
                 f"; quick trial: {_trials_text(trials)}; {_cores_text(trials, loading, cores)}"
             )

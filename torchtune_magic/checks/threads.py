@@ -68,15 +68,16 @@ def candidates(current: int, cores: int, wanted: int) -> list[int]:
     return sorted({current, cores, wanted, *between})
 
 
-def trial(step_proxy: proxy.Proxy, counts: list[int]) -> list[Trial]:
-    """Seconds per forward with each thread count; the count is put back afterwards."""
+def trial(step_proxy: proxy.Proxy, counts: list[int], budget_s: float) -> list[Trial]:
+    """Seconds per forward with each thread count, within `budget_s` in all; the count is
+    put back afterwards."""
     previous = torch.get_num_threads()
     trials = []
     try:
         with step_proxy.ready() as step:
             for count in counts:
                 torch.set_num_threads(count)
-                seconds = proxy.seconds_per_step(step, TRIAL_BUDGET_S / len(counts))
+                seconds = proxy.seconds_per_step(step, budget_s / len(counts))
                 trials.append(Trial(count, seconds))
     finally:
         torch.set_num_threads(previous)
@@ -234,7 +235,9 @@ class ThreadsCheck(Check):
             left = "the cores left free" if wanted < cores else "the available cores"
             return wanted, f"no model call to try counts on: {wanted} ({left})"
         before = load.reading()
-        trials = trial(step_proxy, candidates(current, cores, wanted))
+        trials = trial(
+            step_proxy, candidates(current, cores, wanted), obs.trial_time(TRIAL_BUDGET_S)
+        )
         during = load.since(before)
         best = _pick(trials, current)
         timings = ", ".join(

@@ -189,6 +189,20 @@ class Observation:
     stopped_early: bool = False  # the probe stopped itself at a step boundary (a long cell)
     # top-level forwards that built a graph, by (module, cell line, user functions issuing them)
     graph_sites: dict[tuple[Any, ...], graphs.GraphSite] = field(default_factory=dict)
+    # the seconds the checks' own trials (worker counts, thread counts, plain runs) may take
+    # in all, counted from when the first one starts: they come out of the measuring budget
+    trials_s: float | None = None
+    _trials_started: float | None = None
+
+    def trial_time(self, wanted_s: float) -> float:
+        """The seconds a check's trial may take: what it wants, or what is left of the
+        checks' share of the budget when that is less."""
+        if self.trials_s is None:
+            return wanted_s
+        now = time.perf_counter()
+        if self._trials_started is None:
+            self._trials_started = now
+        return max(0.0, min(wanted_s, self.trials_s - (now - self._trials_started)))
 
     def leading_step(self) -> StepTrace | None:
         """The cell's step: batches of the loader that gave the most, else the optimizer

@@ -120,6 +120,7 @@ class StepTimes:
     turn_count: int | None = None
     turn_s: float | None = None
     turns: int = 0
+    gave_up: bool = False  # stopped at a step boundary past `give_up_at`, short of the stop
 
     @property
     def stopped(self) -> bool:
@@ -159,8 +160,9 @@ class StepTimes:
 
 class StepCounter:
     """Counts one source's steps during a run: notes the time at the boundary after step
-    `warmup`, raises StepLimitReached at the boundary after step `stop` (None: never), and
-    calls `on_step(count)` after each step (progress of the cell's complete run).
+    `warmup`, raises StepLimitReached at the boundary after step `stop` (None: never), or
+    at the first boundary after `give_up_at` (the budget's deadline: `gave_up`), and calls
+    `on_step(count)` after each step (progress of the cell's complete run).
 
     With `epoch_end` (batch unit), the loader's epoch running at that step ends after it:
     the iterator's sampler is cut there, so the loader ends the epoch as it ends any epoch
@@ -182,12 +184,14 @@ class StepCounter:
         stop: int | None = None,
         epoch_end: int | None = None,
         on_step: Callable[[int], None] | None = None,
+        give_up_at: float | None = None,
     ):
         self.source = source
         self.warmup = warmup
         self.stop = stop
         self.epoch_end = epoch_end
         self.on_step = on_step
+        self.give_up_at = give_up_at  # a perf_counter time: a run still going then stops
         self.times = StepTimes()
 
     @contextlib.contextmanager
@@ -228,6 +232,9 @@ class StepCounter:
         if self.stop is not None and times.count >= self.stop:
             synchronize()
             times.stop_s = time.perf_counter() - times.started
+            raise StepLimitReached
+        if self.give_up_at is not None and time.perf_counter() > self.give_up_at:
+            times.gave_up = True  # the budget's deadline passed: this run is not finished
             raise StepLimitReached
 
     def _stepped(self) -> None:

@@ -79,6 +79,11 @@ def one_time_cost(first_s: float | None, steady_s: float | None) -> float | None
     return extra if extra > max(ONE_TIME_FLOOR_S, 0.1 * steady_s) else None
 
 
+class OutOfTime(Exception):
+    """A measuring run was stopped at a step boundary because the deadline had passed: it
+    is no measurement, and nothing more is started."""
+
+
 @dataclass
 class Deadline:
     """The end of a measuring budget, counted from `start` (a perf_counter time): the wait
@@ -179,7 +184,12 @@ def paired_rounds(
                     f"round {index + 1} of at most {min(at_most, MAX_ROUNDS)}: {label}",
                 )
             begun_at = time.perf_counter()
-            this_round[label] = runners[label]()
+            try:
+                this_round[label] = runners[label]()
+            except OutOfTime:  # a run that overran the deadline: its round is no pairing
+                result.rounds.pop()
+                result.seconds += time.perf_counter() - started
+                return result
             result.walls.setdefault(label, []).append(time.perf_counter() - begun_at)
             if on_run is not None:
                 on_run(label, result.measurement(label))
