@@ -20,8 +20,7 @@ def other_busy_process() -> Iterator[int]:
     # it spins until the test process is gone, so a test killed from outside (a CI
     # timeout) cannot leave it running
     spin = (
-        f"import os\nwhile os.path.exists('/proc/{os.getpid()}'):\n"
-        "    for _ in range(10**6): pass"
+        f"import os\nwhile os.path.exists('/proc/{os.getpid()}'):\n    for _ in range(10**6): pass"
     )
     out = subprocess.run(
         ["sh", "-c", f'{sys.executable} -c "{spin}" >/dev/null 2>&1 & echo $!'],

@@ -231,7 +231,9 @@ def test_another_busy_process_beside_a_training_cell_asks_for_fewer_threads(ip, 
     assert "other processes kept " in evidence and "during the probe's run" in evidence
     assert "of other processes' work on" in evidence
     busy = float(evidence.split("other processes kept ")[1].split(" of")[0])
-    assert busy >= 0.9  # our busy process alone keeps about one CPU busy
+    # our busy process alone keeps about one CPU busy (less while torch's threads contend
+    # with it); one core is taken per 0.75 CPU other processes keep busy
+    assert busy >= 0.75
     assert (
         "quick trial on mlp forward" in evidence and "during the trial other processes" in evidence
     )

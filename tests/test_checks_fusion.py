@@ -45,8 +45,10 @@ def finding(session: Session, check_id: str = "fuse-pointwise"):
 
 def test_compiling_a_function_from_an_earlier_cell_is_faster_with_compile_time_apart():
     ns = namespace(GELU_DEF, "x = torch.randn(256, 1024)")
+    # the budget leaves room for the first compile (4-20 s on a CPU here): the fix is not
+    # started where its first run could not end before the deadline
     report = torchtune_magic.perfcheck(
-        "for _ in range(8):\n    y = new_gelu(x)\n", ns, checks="fuse-pointwise", budget=4
+        "for _ in range(8):\n    y = new_gelu(x)\n", ns, checks="fuse-pointwise", budget=25
     )
     found = report.finding("fuse-pointwise")
     assert found is not None and found.fixable

@@ -14,7 +14,7 @@ import traceback
 import pytest
 import torch
 
-from torchtune_magic import perfcheck
+from torchtune_magic import perfcheck, session
 from torchtune_magic.engine import loops, probe, steps
 from torchtune_magic.engine.workload import CellError, Workload
 
@@ -128,7 +128,12 @@ def test_a_break_on_anything_else_makes_the_count_unknown_and_says_where():
     assert "the `break` at cell line 4 can end `for i in range(1000)`" in parts[0]
 
 
-def test_a_long_raw_tensor_cell_is_sampled_by_its_iterations_and_ends_as_one_plain_run():
+def test_a_long_raw_tensor_cell_is_sampled_by_its_iterations_and_ends_as_one_plain_run(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    # the probe stops after half a second (users get 3-8 s): the cell is "long" whatever
+    # the machine's speed
+    monkeypatch.setattr(session, "PROBE_SECONDS", (0.5, 0.5))
     setup = dict(max_steps=200000, stop_at=1500)
     plain = _namespace(**setup)
     exec(textwrap.dedent(TRAIN), plain)

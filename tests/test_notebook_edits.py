@@ -35,7 +35,9 @@ opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.StepLR(opt, 10)"""
 LOADER_CELL = """%precision 3
 loader = DataLoader(SlowImages(32), batch_size=8, shuffle=True)"""
-CHECKED = """%%perfcheck -o -q --budget 1 --checks dataloader-workers,conv-bias-bn,zero-grad-none
+FIXES = "dataloader-workers,conv-bias-bn,zero-grad-none"
+# applied by name: the combined edits then carry these three, whatever their verdicts here
+CHECKED = f"""%%perfcheck -o -q --budget 1 --checks {FIXES} --apply {FIXES}
 
 for x, y in loader:
     opt.zero_grad(set_to_none=False)
@@ -109,7 +111,8 @@ def test_earlier_cells_get_diffs_for_the_loader_and_the_convs_with_execution_cou
     assert checked.after == CHECKED.replace("set_to_none=False", "set_to_none=True")
     assert "@@ -3,3 +3,3 @@" in checked.diff  # the editor's numbering: the magic is line 1
 
-    # nothing applied: every fix's cells, one entry per cell, in notebook order
+    # the fixes applied: their cells, one entry per cell, in notebook order
+    assert report.applied == sorted(FIXES.split(","))
     edits = report.notebook_edits
     assert sorted(edits.fixes) == ["conv-bias-bn", "dataloader-workers", "zero-grad-none"]
     assert [c.execution_count for c in edits.cells] == [counts["class"], counts["loader"], None]
@@ -133,7 +136,8 @@ def test_two_fixes_editing_one_earlier_cell_make_one_entry(ip):
     ip.run_cell(setup, store_history=True)
     ip.run_cell("model(torch.zeros(1, 3, 8, 8));", store_history=True)  # materialise LazyLinear
     report = ip.run_cell(
-        "%%perfcheck -o -q --budget 1 --checks dataloader-workers,conv-bias-bn\n"
+        "%%perfcheck -o -q --budget 1 --checks dataloader-workers,conv-bias-bn "
+        "--apply dataloader-workers,conv-bias-bn\n"
         "for x, y in loader:\n"
         "    loss = ((model(x) - y) ** 2).mean()\n"
         "    opt.zero_grad()\n"

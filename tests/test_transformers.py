@@ -90,7 +90,7 @@ def test_train_is_flagged_measured_through_its_arguments_and_ends_as_one_plain_t
     # worker processes of other tests' loaders (kept alive by a failed test's traceback)
     # are not this test's business
     before = set(multiprocessing.active_children())
-    report = perfcheck(TRAIN, ns, budget=4)
+    report = perfcheck(TRAIN, ns, budget=10)
 
     workers = report.finding("dataloader-workers")
     assert workers is not None and workers.fixable

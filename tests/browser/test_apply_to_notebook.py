@@ -24,8 +24,10 @@ model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(
                       nn.Flatten(), nn.Linear(8 * 8 * 8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 X, Y = torch.randn(16, 3, 8, 8), torch.randn(16, 1)"""
+# applied by name: Apply to notebook then carries both edits, whatever their verdicts here
+# (with nothing applied it carries the recommended fixes only)
 CHECKED = """\
-%%perfcheck --budget 1 --checks conv-bias-bn,zero-grad-none
+%%perfcheck --budget 1 --checks conv-bias-bn,zero-grad-none --apply conv-bias-bn,zero-grad-none
 for step in range(5):
     opt.zero_grad(set_to_none=False)
     loss = ((model(X) - Y) ** 2).mean()
