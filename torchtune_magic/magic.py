@@ -73,14 +73,15 @@ class PerfcheckMagics(Magics):
         "--budget",
         type=float,
         metavar="SECONDS",
-        help="total measuring time in seconds (default 20); progress is shown",
+        help="measuring time in seconds after the probe, the checks' trials included "
+        "(default 20): nothing starts that would end past it; progress is shown",
     )
     @argument("--quick", action="store_true", help="measure only baseline and all fixes together")
     @argument(
         "--apply",
         metavar="IDS|all|wins",
-        help="leave these fixes applied afterwards, as if toggled on (wins: the measured clear "
-        "wins); a long cell's complete run uses them",
+        help="leave these fixes applied afterwards, as if toggled on (all: the recommended "
+        "fixes; wins: those that left results identical); a long cell's complete run uses them",
     )
     @argument("--json", metavar="PATH", help="write the report (schema v1) to PATH")
     @argument("-o", dest="return_report", action="store_true", help="return the Report object")
@@ -108,9 +109,10 @@ class PerfcheckMagics(Magics):
 
         %%perfcheck [options]  (on top of a cell that trains or evaluates a model)
             Runs the cell once with instrumentation, lists what the guide would change with
-            the evidence seen, then times the baseline against each fix and all fixes
-            together (interleaved runs, median ± IQR) and checks whether results stayed the
-            same. Afterwards the kernel is as if the cell ran once. In JupyterLab, Notebook,
+            the evidence seen, then times the baseline against each fix and the recommended
+            ones together (paired rounds: a speedup with its 99.8% interval, "no clear change"
+            where it straddles 1) and checks whether results stayed the same, all within
+            --budget. Afterwards the kernel is as if the cell ran once. In JupyterLab, Notebook,
             VS Code and Colab a panel lets you toggle each fix on the live objects, re-time,
             and see the code changes.
 
@@ -118,7 +120,7 @@ class PerfcheckMagics(Magics):
         %perfcheck revert   undo every fix still applied by any %%perfcheck run (a name
                             you rebound since keeps your object)
         %perfcheck insert   put the last run's optimized cell below (the fixes toggled on,
-                            or all of them), after the constructor lines of earlier cells
+                            or the recommended ones), after the constructor lines of earlier cells
                             it rebuilds (a DataLoader with its workers), and say so
 
         Python API: torchtune_magic.perfcheck(cell, namespace, **same options).

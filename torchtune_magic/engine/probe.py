@@ -210,21 +210,25 @@ class Observation:
         iteration of the cell's own loop (`_leading_loop`); at least two of them, the
         first seen wins a tie."""
         for unit in STEP_UNITS:
+            if unit == "iteration":
+                loop = self._leading_loop()
+                return loop if loop is not None and loop.count >= 2 else None
             traces = [t for t in self.step_traces.values() if t.unit == unit and t.count >= 2]
-            if traces and unit == "iteration":
-                return self._leading_loop(traces)
             if traces:
                 return max(traces, key=lambda t: t.count)
         return None
 
-    def _leading_loop(self, traces: list[StepTrace]) -> StepTrace:
+    def _leading_loop(self) -> StepTrace | None:
         """Of the cell's loops, the one whose iterations are its steps: the innermost loop
-        around the lines that called backward (one training step an iteration), else the
-        loop that iterated most (in a nest, the inner one)."""
-        training = [t for t in traces if any(t.obj.encloses(line) for line in self.backward_lines)]
+        around the lines that called backward (one training step an iteration), however few
+        iterations it has ended yet (a loop inside it, over the parameters, has ended more
+        by then), else the loop that iterated most (in a nest, the inner one)."""
+        traces = [t for t in self.step_traces.values() if t.unit == "iteration"]
+        backward = self.backward_lines
+        training = [t for t in traces if any(t.obj.encloses(line) for line in backward)]
         if training:
             return max(training, key=lambda t: t.obj.depth)
-        return max(traces, key=lambda t: t.count)
+        return max(traces, key=lambda t: t.count, default=None)
 
     @property
     def tree(self) -> ast.Module:

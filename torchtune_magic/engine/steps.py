@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 WARMUP_STEPS = 2
 MIN_TIMED_STEPS = 3
-TARGET_ROUNDS = 8  # paired rounds a sampled measurement plans for (7 give a 98% interval)
+TARGET_ROUNDS = 11  # paired rounds a sampled measurement plans for (10 give an interval)
 PROFILED_RUN_COST = 2.0  # a run under the memory profiler costs about this many plain runs
 PROFILED_STEPS = 2  # profiled runs (peak memory, FLOPs) stop after this many steps
 

@@ -149,7 +149,7 @@ def speedup(report: Report, variant: Variant | None) -> str:
 
 
 def interval(variant: Variant) -> str:
-    """` (1.41x–1.66x over 9 rounds)`: the speedup's 98% interval over paired rounds, or
+    """` (1.41x–1.66x over 9 rounds)`: the speedup's 99.8% interval over paired rounds, or
     `(too few rounds for an interval)`, or '' for a report from before paired rounds."""
     if variant.rounds is None:
         return ""
