@@ -108,7 +108,7 @@ export interface IVariant extends IStats {
   fits?: boolean | null;
   /** The baseline median this speedup was measured against. */
   baseline_median_s?: number | null;
-  /** The speedup's 98% interval over paired rounds (null: too few rounds for one). */
+  /** The speedup's 99.8% interval over paired rounds (null: too few rounds for one). */
   speedup_low?: number | null;
   speedup_high?: number | null;
   /** Absent in reports from before paired rounds (then the speedup alone is read). */
