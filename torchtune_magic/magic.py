@@ -73,7 +73,7 @@ class PerfcheckMagics(Magics):
         "--budget",
         type=float,
         metavar="SECONDS",
-        help="measuring time in seconds after the probe, the checks' trials included "
+        help="seconds the probe, the checks' trials and the measuring may take together "
         "(default 20): nothing starts that would end past it; progress is shown",
     )
     @argument("--quick", action="store_true", help="measure only baseline and all fixes together")

@@ -284,11 +284,11 @@ class FusePointwiseCheck(Check):
     )
 
     def detect(self, obs: Observation) -> list[Detection]:
-        if not obs.ops or obs.wall_s <= 0:
+        if not obs.ops or obs.profiled_s <= 0:
             return []
         found = chains(obs.ops)
         busy = sum(c.busy_us for c in found)
-        share = busy / (obs.wall_s * 1e6)
+        share = busy / (obs.profiled_s * 1e6)
         if share < MIN_SHARE:
             return []
         resolver = _Resolver(obs)
@@ -307,7 +307,8 @@ class FusePointwiseCheck(Check):
         names = ", ".join(_base_name(op.name) for op in longest.ops[:8])
         evidence = (
             f"{len(found)} chain(s) of ≥{MIN_RUN} consecutive elementwise ops took "
-            f"{busy / 1e3:.1f} ms of the cell's {obs.wall_s * 1e3:.1f} ms ({share:.0%}); "
+            f"{busy / 1e3:.1f} ms of {obs.profiled_text(lambda s: f'{s * 1e3:.1f} ms')} "
+            f"({share:.0%}); "
             f"longest: {len(longest.ops)} ops ({names}{', …' if len(longest.ops) > 8 else ''})"
         )
         if targets:

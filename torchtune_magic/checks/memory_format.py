@@ -188,12 +188,12 @@ class ConvShare:
 def conv_share(obs: Observation, model: torch.nn.Module, convs: list[torch.nn.Conv2d]) -> ConvShare:
     """The convolutions' share of the cell's time (the probe's profiler self time of conv
     ops, on CPU), else their share of the model's conv and linear FLOPs."""
-    if obs.device == "cpu" and obs.op_totals and obs.wall_s > 0:
+    if obs.device == "cpu" and obs.op_totals and obs.profiled_s > 0:
         seconds = sum(us for op, (_, us) in obs.op_totals.items() if _is_conv_op(op)) / 1e6
-        share = seconds / obs.wall_s
+        share = seconds / obs.profiled_s
         return ConvShare(
             share,
-            f"convolutions took {_ms(seconds)} of the cell's {_ms(obs.wall_s)} ({share:.0%}, "
+            f"convolutions took {_ms(seconds)} of {obs.profiled_text(_ms)} ({share:.0%}, "
             "profiler self time of the convolution ops)",
         )
     conv = sum(_flops(obs, m) for m in convs)

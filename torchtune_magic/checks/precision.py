@@ -520,11 +520,11 @@ def _helper_advice(obs: Observation, header: str) -> str:
 
 
 def _cpu_math_share(obs: Observation) -> float | None:
-    """Self time of matmul/conv ops over the probe's wall time (None: no op stream)."""
-    if not obs.op_totals or not obs.wall_s:
+    """Self time of matmul/conv ops over the probe's profiled time (None: no op stream)."""
+    if not obs.op_totals or not obs.profiled_s:
         return None
     math_us = sum(obs.op_totals.get(name, (0, 0.0))[1] for name in CPU_MATH_OPS)
-    return min(1.0, math_us / 1e6 / obs.wall_s)
+    return min(1.0, math_us / 1e6 / obs.profiled_s)
 
 
 def _flops_per_call(uses: list[ModuleUse]) -> float | None:

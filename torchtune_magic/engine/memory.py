@@ -11,7 +11,7 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,9 @@ class Profile:
     peak_cpu: int = 0
     ops: list[OpEvent] = field(default_factory=list)
     op_totals: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # stops the profiler before the block ends (what follows runs unprofiled); set while
+    # the block runs
+    stop_early: Callable[[], None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -63,7 +66,8 @@ def tracked(device: str) -> Iterator[Tracker]:
 
 @contextlib.contextmanager
 def profiled(device: str) -> Iterator[Profile]:
-    """Profile the block: operator stream, op totals and peak memory.
+    """Profile the block: operator stream, op totals and peak memory; `stop_early()` on the
+    result stops the profiler sooner (the rest of the block runs unprofiled).
 
     Reads the profiler's raw event tree rather than `prof.events()`, which costs more than
     the run itself on short cells.
@@ -82,15 +86,25 @@ def profiled(device: str) -> Iterator[Profile]:
         activities.append(ProfilerActivity.CUDA)
     _warm_up_profiler_once()
     prof = profile(activities=activities, profile_memory=True)
+    running = [False]
+
+    def stop() -> None:
+        if running[0]:
+            running[0] = False
+            with _native_stderr_silenced():
+                prof.stop()
+
     try:
         with tracked(device) as cuda_tracker:
             with _native_stderr_silenced():
                 prof.start()
+            running[0] = True
+            result.stop_early = stop
             try:
                 yield result
             finally:
-                with _native_stderr_silenced():
-                    prof.stop()
+                stop()
+                result.stop_early = None
         _read_tree(prof.profiler.kineto_results.experimental_event_tree(), result)
     finally:
         prof.profiler = None  # the events (see above), whether the block raised or not

@@ -194,6 +194,17 @@ class Observation:
     trials_s: float | None = None
     _trials_started: float | None = None
 
+    # seconds of the run the op stream covers (our profiler stops after a few seconds of a
+    # long cell's steps): op shares are shares of this, not of wall_s
+    profiled_s: float = 0.0
+
+    def profiled_text(self, seconds: Callable[[float], str]) -> str:
+        """`the cell's 412.0 ms`, or `the run's first 1500.0 ms (profiled)` where our
+        profiler stopped before the probe did."""
+        if self.profiled_s and self.profiled_s < self.wall_s:
+            return f"the run's first {seconds(self.profiled_s)} (profiled)"
+        return f"the cell's {seconds(self.wall_s)}"
+
     def trial_time(self, wanted_s: float) -> float:
         """The seconds a check's trial may take: what it wants, or what is left of the
         checks' share of the budget when that is less."""
@@ -292,6 +303,11 @@ class _Recorder:
         self.spans: list[tuple[str, Any, int, int]] = []
         self.started = time.perf_counter()
         self.stop_after_s: float | None = None  # stop at a step boundary after this long
+        # our profiler stops at a step boundary after this long (its events cost seconds to
+        # read back after a long probe; a few seconds of steps tell the op shares): set with
+        # the call that stops it
+        self.profile_for_s: float | None = None
+        self.stop_profiler: Callable[[], None] | None = None
         self.roots = graphs.RootWatcher(obs.workload, obs.graph_sites)
         self.loops = {loop.key: loop for loop in loops.loops_of(obs.workload.tree)}
         self.iterations: dict[str, int] = {}  # iterations begun, by loop key
@@ -301,19 +317,38 @@ class _Recorder:
         """`obj` has ended `ended` steps of this unit. Stop the run here if it has gone on
         long enough and this is the cell's step (at a boundary, so the cut is clean)."""
         trace = self.trace(unit, obj)
+        elapsed = time.perf_counter() - self.started
         if ended > trace.count:
-            now = time.perf_counter() - self.started
             trace.count = ended
-            trace.first_s = now if trace.first_s is None else trace.first_s
-            trace.last_s = now
+            trace.first_s = elapsed if trace.first_s is None else trace.first_s
+            trace.last_s = elapsed
+        if ended < PROBE_MIN_STEPS:
+            return
+        if (
+            self.stop_profiler is not None
+            and self.profile_for_s is not None
+            and elapsed >= self.profile_for_s
+            and self.obs.leading_step() is trace
+        ):
+            self.profiling_done(elapsed)
         if (
             self.stop_after_s is not None
-            and ended >= PROBE_MIN_STEPS
-            and time.perf_counter() - self.started >= self.stop_after_s
+            and elapsed >= self.stop_after_s
             and self.obs.leading_step() is trace
         ):
             self.obs.stopped_early = True
             raise StepLimitReached
+
+    def profiling_done(self, elapsed: float) -> None:
+        """Stop our profiler (and the function spans it needed): the op stream covers the
+        run's first `elapsed` seconds, its steps, from here on unprofiled."""
+        assert self.stop_profiler is not None
+        self.stop_profiler()
+        self.stop_profiler = None
+        self.own_profiler = False
+        self.obs.profiled_s = elapsed
+        if sys.getprofile() == self.function_event:
+            sys.setprofile(None)
 
     def trace(self, unit: str, obj: Any) -> StepTrace:
         trace = self.obs.step_traces.get((unit, id(obj)))
@@ -735,10 +770,13 @@ def run(
     *,
     use_profiler: bool | None = None,
     stop_after_s: float | None = None,
+    profile_for_s: float | None = None,
 ) -> Observation:
     """Run the cell once under instrumentation; with `stop_after_s`, a cell still running
     then stops at its next step boundary (once it has taken PROBE_MIN_STEPS steps) and
-    `stopped_early` says so. The user's exception propagates as CellError."""
+    `stopped_early` says so; with `profile_for_s`, our profiler stops likewise after that
+    long and the hooks go on (`profiled_s`). The user's exception propagates as
+    CellError."""
     __tracebackhide__ = True
     obs = Observation(workload, device=device)
     obs.found = discovery.walk(workload.namespace)
@@ -751,12 +789,15 @@ def run(
     recorder = _Recorder(obs)
     recorder.own_profiler = use_profiler
     recorder.stop_after_s = stop_after_s
+    recorder.profile_for_s = profile_for_s
     faults_before = allocator.minor_faults()
     # Our profiler starts before the entry points are patched, so it is never mistaken for
     # one of the user's.
     if use_profiler:
         with memory.profiled(device) as profile, _instrumented(recorder, workload.namespace):
+            recorder.stop_profiler = profile.stop_early
             obs.wall_s = _run_until_stopped(workload, recorder)
+        obs.profiled_s = obs.profiled_s or obs.wall_s
         marks = {
             int(op.name[len(SPAN_MARK) :]): op.start_us
             for op in profile.ops
