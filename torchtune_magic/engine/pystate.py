@@ -18,9 +18,9 @@ rules: tensors and `torch.Generator`s found here are handed to it), IPython's, m
 C objects without a `__dict__`.
 
 Some state has no way back: a generator advanced, a file read or written, a socket used.
-Those reachable from the names the cell reads are marked when the snapshot is taken and
-compared after a run (`PyState.unrestorable_changes`), so that the session can refuse to
-re-run a cell whose re-runs would change what the user sees.
+Those reachable from the names the cell reads are marked when the snapshot is taken
+(`one_way`) and compared after a run (`PyState.unrestorable_changes`), so that the session
+can refuse to re-run a cell whose re-runs would change what the user sees.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import reprlib
 import socket
 import time
 import types
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from . import one_way
 from .discovery import IPYTHON_NAMES
 
 try:  # numpy is optional: torch works without it
@@ -527,163 +527,6 @@ _RNG_TYPES: tuple[type, ...] = (random.Random,) + (
 )
 
 
-# --- markers: state that cannot be put back, compared after a run -------------------------
-
-
-class _Marker:
-    """Where something that cannot be restored stood when the snapshot was taken."""
-
-    def change(self) -> str | None:
-        """What a run did to it that re-running the cell would repeat, or None."""
-        raise NotImplementedError
-
-
-@dataclass
-class _Advancing(_Marker):
-    """A generator or iterator: its position, read again after a run."""
-
-    obj: Any
-    label: str
-    what: str  # "a generator", "an iterator", …
-    before: Any
-
-    def change(self) -> str | None:
-        head = f"`{self.label}` ({self.what} bound before the cell)"
-        tail = "cannot be rewound, so re-running the cell would consume more of it"
-        if self.before is _UNREAD:
-            return (
-                f"{head} has a position perfcheck cannot read: if the cell advances it, it {tail}"
-            )
-        if _same_position(_position(self.obj), self.before):
-            return None
-        return f"{head} was advanced by the cell: it {tail}"
-
-
-@dataclass
-class _File(_Marker):
-    """A file object: whether it is closed, and its position (`tell()`)."""
-
-    obj: Any
-    label: str
-    closed: bool
-    position: int | None
-    writable: bool
-
-    @classmethod
-    def of(cls, file: Any, label: str) -> _File:
-        closed, position = _file_position(file)
-        try:
-            writable = not closed and file.writable()
-        except (OSError, ValueError):
-            writable = False
-        return cls(file, label, closed, position, writable)
-
-    def change(self) -> str | None:
-        if self.closed:
-            return None  # nothing a run can do to it
-        closed, position = _file_position(self.obj)
-        kind = "a file open for writing" if self.writable else "a file open for reading"
-        head = f"`{self.label}` ({kind})"
-        if closed:
-            return f"{head} was closed by the cell: re-running the cell would find it closed"
-        if position is None or self.position is None:
-            return (
-                f"{head} has a position perfcheck cannot read: what a run reads or writes "
-                "through it cannot be taken back, and re-running the cell would do it again"
-            )
-        if position == self.position:
-            return None
-        if self.writable:
-            return (
-                f"{head} was written by the cell (its position moved): what a run writes "
-                "cannot be taken back, so re-running the cell would write it again"
-            )
-        return (
-            f"{head} was read by the cell (its position moved): re-running the cell would "
-            "read on from where the last run stopped"
-        )
-
-
-@dataclass
-class _Socket(_Marker):
-    """An open socket: what went through it cannot be read, so it is always named."""
-
-    label: str
-
-    def change(self) -> str | None:
-        return (
-            f"`{self.label}` (an open socket bound before the cell) may be used by the cell: "
-            "what a run sends or receives cannot be taken back, so re-running the cell "
-            "would send or receive again"
-        )
-
-
-def _position(obj: Any, depth: int = 0) -> Any:
-    """Where an iterator or generator stands, as far as can be read: a generator's
-    instruction and locals (its state lives in its frame), a builtin iterator's remaining
-    length or else its pickled state, a DataLoader iterator's batch count; the iterators it
-    draws from are read in turn. `_UNREAD` when nothing can be read."""
-    if type(obj) is tuple:  # pickled state nests its parts in tuples
-        return tuple(_position(part, depth) for part in obj)
-    if isinstance(obj, types.GeneratorType):
-        frame = obj.gi_frame
-        if frame is None:
-            return ("exhausted",)
-        values = tuple(frame.f_locals.values())
-        inner = tuple(_position(v, depth + 1) for v in values if _advances(v))
-        delegate = _position(obj.gi_yieldfrom, depth + 1) if obj.gi_yieldfrom else None
-        return (frame.f_lasti, values, inner, delegate)
-    if isinstance(obj, _BaseDataLoaderIter):
-        return ("batches", obj._num_yielded)
-    if depth > _POSITION_DEPTH or not _advances(obj):
-        return obj
-    left = operator.length_hint(obj, -1)
-    if left >= 0:
-        return ("left", left)
-    if (
-        type(obj).__reduce_ex__ is object.__reduce_ex__
-        and type(obj).__reduce__ is object.__reduce__
-    ):
-        return _UNREAD  # object's own pickling knows nothing of a position (csv.reader)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # pickling itertools, 3.12+
-            reduced = obj.__reduce__()
-    except Exception:
-        return _UNREAD
-    return _position(tuple(reduced[1:]), depth + 1)
-
-
-_POSITION_DEPTH = 3
-_UNREAD = object()  # a position that cannot be read: never known to be unchanged
-
-
-def _advances(obj: Any) -> bool:
-    cls = type(obj)
-    return hasattr(cls, "__next__") and hasattr(cls, "__iter__")
-
-
-def _same_position(a: Any, b: Any) -> bool:
-    """Positions compared: numbers and names by value, other objects by identity; a part
-    that could not be read is never known to be unchanged."""
-    if a is _UNREAD or b is _UNREAD:
-        return False
-    if type(a) is tuple:
-        return type(b) is tuple and len(a) == len(b) and all(map(_same_position, a, b))
-    if type(a) in (int, str, bool) and type(b) is type(a):
-        return a == b
-    return a is b
-
-
-def _file_position(file: Any) -> tuple[bool, int | None]:
-    if file.closed:
-        return (True, None)
-    try:
-        return (False, file.tell() if file.seekable() else None)
-    except (OSError, ValueError):
-        return (False, None)
-
-
 # --- the walk ------------------------------------------------------------------------------
 
 
@@ -765,7 +608,7 @@ class _Walk:
         self.known = known  # tensors the state guard keeps already
         self.module_name = namespace.get("__name__", "builtins")
         self.parts: list[_Part] = []
-        self.markers: list[_Marker] = []
+        self.markers: list[one_way.Marker] = []
         self.tensors: list[torch.Tensor] = []
         self.modules: list[torch.nn.Module] = []
         self.generators: list[torch.Generator] = []
@@ -843,16 +686,16 @@ class _Walk:
                     if issubclass(cls, types.GeneratorType)
                     else "a DataLoader iterator"
                 )
-                self.markers.append(_Advancing(obj, _label(path), what, _position(obj)))
+                self.markers.append(one_way.advancing(obj, _label(path), what))
         elif issubclass(cls, (io.BytesIO, io.StringIO)):
             if not obj.closed and self.fits(obj, path, nbytes=_memory_file_size(obj)):
                 self.parts.append(_MemoryFile(obj, obj.__getstate__(), path))
         elif issubclass(cls, io.IOBase):
             if watched:
-                self.markers.append(_File.of(obj, _label(path)))
+                self.markers.append(one_way.File.of(obj, _label(path)))
         elif issubclass(cls, socket.socket):
             if watched and obj.fileno() != -1:
-                self.markers.append(_Socket(_label(path)))
+                self.markers.append(one_way.Socket(_label(path)))
         elif np is not None and issubclass(cls, np.ndarray):
             return self.ndarray(obj, path)
         elif issubclass(cls, _RNG_TYPES):
@@ -949,8 +792,8 @@ class _Walk:
             return [(obj.func, path), *self.items(obj.args, path), (obj.keywords, path)]
         elif issubclass(cls, type):
             return self.class_attributes(obj, path)
-        elif watched and not _is_python_class(cls) and _advances(obj):
-            self.markers.append(_Advancing(obj, _label(path), "an iterator", _position(obj)))
+        elif watched and not _is_python_class(cls) and one_way.advances(obj):
+            self.markers.append(one_way.advancing(obj, _label(path), "an iterator"))
         return ()
 
     def items(
@@ -1078,7 +921,7 @@ class PyState:
     RNG states)."""
 
     parts: list[_Part]
-    markers: list[_Marker]
+    markers: list[one_way.Marker]
     tensors: list[torch.Tensor] = field(default_factory=list)
     modules: list[torch.nn.Module] = field(default_factory=list)
     generators: list[torch.Generator] = field(default_factory=list)
