@@ -1,4 +1,4 @@
-"""The workflow: probe → detect → measure → finish, and the stack of applied fixes.
+"""The workflow: probe → detect → measure → finish.
 
 A Session lives as long as its panel: toggles call `apply`/`undo`, Re-time calls `measure`.
 Findings go to the front end as soon as the checks are done (`on_report`), and each
@@ -9,6 +9,9 @@ cell's one complete run (`finish`) then leaves the kernel as if the cell ran onc
 Long cells are sampled (see `engine/steps.py`): the probe stops itself at a step boundary,
 every measuring run stops after the same step K, and the report gives per-step times with
 the whole cell projected; the complete run happens last, with the fixes asked for.
+
+The applied fixes are kept by `engine/applied.py`, the code changes written by
+`engine/cellchanges.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch
 from .checks import Detection, registry
 from .engine import (
     allocator,
-    codeedit,
+    applied,
+    cellchanges,
     discovery,
     fixes,
     history,
@@ -53,7 +57,6 @@ from .engine.workload import CellError, Workload, captured, silenced
 from .options import Options
 from .report import (
     CellRun,
-    CodeChange,
     MachineLoad,
     NotApplicable,
     NotebookEdits,
@@ -187,7 +190,7 @@ class Session:
         # the stack a plain run of the cell would execute under: timed runs of a cell whose
         # cost depends on it execute there (`_measuring_stack`)
         self._plain_stack = plain_stack.PlainStack.of_caller()
-        self._applied: dict[str, fixes.Fix] = {}
+        self.applied_fixes = applied.AppliedFixes(workload.namespace, self._warn_once)
         self._flops: utilisation.FlopCount | None = None  # counted once: fixes keep the math
         self._flops_detail: str | None = None
         self._memory_label: str | None = None
@@ -228,9 +231,10 @@ class Session:
             report = self.measure()
         if not self.options.finish:  # before --apply: its fixes then stay on that state
             self._back_to_start()
-        for check_id in self._requested_fixes(report):
+        fixable = [d.finding.id for d in self.fixable]
+        for check_id in applied.requested(self.options.apply, fixable, report.variants):
             try:
-                self._apply(check_id)
+                self.applied_fixes.apply(check_id, self.fix_for(check_id))
             except fixes.FixError as error:
                 self.warnings.append(f"--apply {check_id}: not applied: {error.reason}")
         self.finish()
@@ -349,7 +353,7 @@ class Session:
                 self.not_applicable.append(NotApplicable(check.id, reason))
                 continue
             self.detections.extend(check.detect(obs))
-        self._attach_cell_changes()
+        cellchanges.attach_cell_changes(self.workload, self.detections)
         return self.detections
 
     def finish(self) -> None:
@@ -373,7 +377,7 @@ class Session:
         self._back_to_start()
         self.cell_run = CellRun("running", fixes=ids)
         self.publish(self._build_report(phase="finishing"))
-        applied = [self._applied[i] for i in ids]
+        applied = self.applied_fixes.fixes()
         counter = self._finish_counter()
         started = time.perf_counter()
         try:
@@ -439,7 +443,11 @@ class Session:
     # fixes ----------------------------------------------------------------------------------
     @property
     def applied_ids(self) -> list[str]:
-        return sorted(self._applied)
+        return self.applied_fixes.ids
+
+    @property
+    def fixable(self) -> list[Detection]:
+        return [d for d in self.detections if d.fix is not None]
 
     def fix_for(self, check_id: str) -> fixes.Fix:
         for detection in self.detections:
@@ -451,32 +459,20 @@ class Session:
         """Apply a fix to the live objects and publish the report with it applied. Raises
         FixError with nothing left applied, e.g. when a name the fix changes was rebound
         since the probe ran (the user's new object is never replaced)."""
-        self._apply(check_id)
+        self.applied_fixes.apply(check_id, self.fix_for(check_id))
         self._publish_applied()
 
     def undo(self, check_id: str) -> list[str]:
         """Undo a fix and publish the report without it. Returns (and keeps as warnings)
         notes on places the user rebound while it was applied: those keep the user's object."""
-        notes = self._undo(check_id)
+        notes = self.applied_fixes.undo(check_id)
         self._publish_applied()
         return notes
 
     def revert_all(self) -> list[str]:
         """Undo every applied fix (panel's Revert all, `%perfcheck revert`); notes as `undo`."""
-        notes = [note for check_id in reversed(self.applied_ids) for note in self._undo(check_id)]
+        notes = self.applied_fixes.revert_all()
         self._publish_applied()
-        return notes
-
-    def _apply(self, check_id: str) -> None:
-        fix = self.fix_for(check_id)
-        fix.apply(self.workload.namespace)
-        self._applied[check_id] = fix
-
-    def _undo(self, check_id: str) -> list[str]:
-        fix = self._applied.pop(check_id, None)
-        notes = fix.undo() if fix is not None else []
-        for note in notes:
-            self._warn_once(note)
         return notes
 
     def _publish_applied(self) -> None:
@@ -485,52 +481,14 @@ class Session:
         if self.report is not None:
             self.publish(self._build_report(phase=self.report.phase))
 
-    @property
-    def fixable(self) -> list[Detection]:
-        return [d for d in self.detections if d.fix is not None]
-
-    def wins(self, report: Report | None = None) -> list[str]:
-        """Fixes whose own newest measurement was clearly faster (its interval above 1, past
-        the no-change band, without error) and left what the cell produced bit-identical:
-        `--apply wins` never changes results silently (amp, tf32 and the like are applied
-        by name)."""
-        return [
-            variant.fixes[0]
-            for variant in self._solo_variants(report)
-            if variant.is_win and variant.numerics.verdict == "identical"
-        ]
-
     def recommended(self, variants: list[Variant] | None = None) -> list[str]:
-        """Fixes whose own newest measurement was clearly faster with results identical or
-        within the fix's stated tolerance: what the combined row, `--apply all`, the code
-        changes and Apply to notebook carry by default. Others are opt-in, their verdict
-        beside them."""
-        chosen = []
-        for variant in self._solo_variants(None, variants):
-            if variant.is_win and variant.numerics.verdict in ("identical", "close"):
-                chosen.append(variant.fixes[0])
-        return chosen
-
-    def _solo_variants(
-        self, report: Report | None, variants: list[Variant] | None = None
-    ) -> list[Variant]:
-        """The newest solo measurement of each fixable finding, in finding order."""
+        """The recommended fixes (`engine.applied.recommended`) among these measurements
+        (default: the current report's)."""
         if variants is None:
-            report = report or self.report
-            variants = report.variants if report is not None else []
-        newest = {tuple(v.fixes): v for v in variants}
-        return [newest[(d.finding.id,)] for d in self.fixable if (d.finding.id,) in newest]
+            variants = self.report.variants if self.report is not None else []
+        return applied.recommended([d.finding.id for d in self.fixable], variants)
 
-    def _requested_fixes(self, report: Report) -> list[str]:
-        """`--apply IDS|all|wins`, as fix ids found in this cell: ids as named, `all` the
-        recommended fixes, `wins` the clear wins with identical results."""
-        wanted = set(self.options.apply)
-        if "wins" in wanted:
-            wanted.update(self.wins(report))
-        if "all" in wanted:
-            wanted.update(self.recommended(report.variants))
-        return [d.finding.id for d in self.fixable if d.finding.id in wanted]
-
+    # code changes (engine/cellchanges.py) ---------------------------------------------------
     def suggested_cell(self) -> str:
         """The cell with the code changes of the fixes applied now (of the recommended
         ones, when none is)."""
@@ -538,62 +496,26 @@ class Session:
 
     def optimized_cell(self, check_ids: list[str] | None = None) -> str:
         """The cell with the code changes of these findings (default: all) applied."""
-        versions = [
-            d.fixed_source
-            for d in self.detections
-            if d.fixed_source is not None and (check_ids is None or d.finding.id in check_ids)
-        ]
-        return codeedit.combine(self.workload.source, versions)
+        return cellchanges.optimized_cell(self.workload, self.detections, check_ids)
 
     def notebook_edits(self) -> NotebookEdits | None:
         """Every notebook cell to edit for the fixes applied now (for the recommended ones,
-        when none is): the earlier cells that built the objects and the checked cell,
-        several fixes' edits of one cell in one entry. None when no cell changes."""
-        chosen = [d for d in self._chosen() if d.fixed_source is not None or d.earlier]
-        key = tuple(d.finding.id for d in chosen)
+        when none is); None when no cell changes."""
+        chosen = self._chosen()
+        key = tuple(d.finding.id for d in chosen if d.fixed_source is not None or d.earlier)
         if key not in self._notebook_edits:
-            cells = history.cell_changes(
-                self.workload,
-                [d.fixed_source for d in chosen if d.fixed_source is not None],
-                [edit for d in chosen for edit in d.earlier],
-            )
-            self._notebook_edits[key] = NotebookEdits(list(key), cells) if cells else None
+            self._notebook_edits[key] = cellchanges.notebook_edits(self.workload, chosen)
         return self._notebook_edits[key]
 
     def cell_to_insert(self) -> tuple[str, list[history.Rebuild], list[tuple[str, str]]]:
-        """What `%perfcheck insert` puts below: the suggested cell as typed, preceded by the
-        earlier cells' statements that rebuild the loaders and optimizers the fixes change
-        (the live fixes do not outlive the kernel; these lines carry the biggest wins).
-        Returns the cell, those rebuilds, and (fix id, what to edit by hand) for changes a
-        statement cannot carry (a model's convs: rebuilding the model resets its weights)."""
-        typed = history.as_typed(self.workload, self.suggested_cell()).splitlines(keepends=True)
-        body = "".join(typed[next((i for i, t in enumerate(typed) if t.strip()), 0) :])
-        edits = [(d.finding.id, edit) for d in self._chosen() for edit in d.earlier]
-        rebuilt, left = history.rebuilds(self.workload.notebook, edits)
-        head = [
-            f"# from In[{r.execution_count}] with {', '.join(r.fixes)}:\n{r.text}\n"
-            for r in rebuilt
-        ]
-        cell = "".join(head) + ("\n" if head else "") + body
-        by_hand = [(check, f"In[{edit.execution_count}] line {edit.line}") for check, edit in left]
-        return cell, rebuilt, by_hand
+        """What `%perfcheck insert` puts below (`cellchanges.cell_to_insert`)."""
+        return cellchanges.cell_to_insert(self.workload, self.suggested_cell(), self._chosen())
 
     def _chosen(self) -> list[Detection]:
         """The detections whose changes count now: the applied fixes', else the recommended
         ones' (none before they are measured: a finding's own change is offered with it)."""
         chosen = set(self.applied_ids) or set(self.recommended(self._history))
         return [d for d in self.detections if d.finding.id in chosen]
-
-    def _attach_cell_changes(self) -> None:
-        """Each finding's own notebook cells to edit (`code_change.cells`)."""
-        for detection in self.detections:
-            versions = [detection.fixed_source] if detection.fixed_source is not None else []
-            cells = history.cell_changes(self.workload, versions, detection.earlier)
-            if not cells:
-                continue
-            if detection.finding.code_change is None:
-                detection.finding.code_change = CodeChange()
-            detection.finding.code_change.cells = cells
 
     # measuring ------------------------------------------------------------------------------
     def measure(
@@ -611,7 +533,7 @@ class Session:
             return self.report  # type: ignore[return-value]  # set by publish
         configs = self._configs(fix_sets)
         combine = fix_sets is None and not self.options.quick and len(configs) > 2
-        with self._fixes_lifted(), self._state_kept(), self._load_watched():
+        with self.applied_fixes.lifted(self.warnings), self._state_kept(), self._load_watched():
             variants, baseline = self._measure_configs(configs, deadline, combine)
         measured_at = _now()
         for variant in [baseline, *variants]:
@@ -726,20 +648,6 @@ class Session:
             if label and label not in {c.label for c in configs}:
                 configs.append(_Config(label, [self.fix_for(i) for i in ids]))
         return configs
-
-    @contextmanager
-    def _fixes_lifted(self) -> Iterator[None]:
-        lifted = self.applied_ids
-        for check_id in reversed(lifted):
-            self._undo(check_id)
-        try:
-            yield
-        finally:
-            for check_id in lifted:
-                try:
-                    self._apply(check_id)
-                except fixes.FixError as error:
-                    self.warnings.append(f"could not re-apply {check_id}: {error.reason}")
 
     @contextmanager
     def _state_kept(self) -> Iterator[None]:
