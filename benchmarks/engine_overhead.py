@@ -58,6 +58,8 @@ from typing import Any
 import torch
 
 from torchtune_magic.engine.workload import Workload
+from torchtune_magic.measuring.plan import BASELINE
+from torchtune_magic.measuring.runs import Config
 from torchtune_magic.options import Options
 from torchtune_magic.session import Session
 
@@ -141,10 +143,10 @@ def overhead(shell: Shell, rounds: int) -> dict[str, float]:
     session = shell.session(LOOP)
     session.probe()
     session.detect()
-    baseline = session._configs([])[0]  # the configuration the baseline is timed with
+    baseline = Config(BASELINE, [])  # the configuration the baseline is timed with
     ours, plain = [], []
     for _ in range(rounds):
-        ours.append(session._one_run(baseline).total_s)
+        ours.append(session.runs.one_run(baseline).total_s)
         plain.append(shell.plain(LOOP))
     a, b = statistics.median(ours), statistics.median(plain)
     return {"perfcheck_median_s": a, "plain_median_s": b, "overhead": a / b - 1}
