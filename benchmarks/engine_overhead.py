@@ -59,7 +59,7 @@ import torch
 
 from torchtune_magic.engine.workload import Workload
 from torchtune_magic.measuring.plan import BASELINE
-from torchtune_magic.measuring.runs import Config
+from torchtune_magic.measuring.run import Config
 from torchtune_magic.options import Options
 from torchtune_magic.session import Session
 

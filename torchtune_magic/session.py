@@ -11,8 +11,9 @@ every measuring run stops after the same step K, and the report gives per-step t
 the whole cell projected; the complete run happens last, with the fixes asked for.
 
 The parts, each in a module of its own: the measuring plan (`measuring/plan.py`), the runs
-that carry it out (`measuring/runs.py`), the figures drawn from them (`measuring/figures.py`),
-the applied fixes (`engine/applied.py`) and the code changes (`engine/cellchanges.py`).
+that carry it out (`measuring/runs.py`, one run in `measuring/run.py`), the figures drawn
+from them (`measuring/figures.py`), the applied fixes (`engine/applied.py`) and the code
+changes (`engine/cellchanges.py`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .engine import (
     timing,
 )
 from .engine.workload import CellError, Workload, captured
-from .measuring import figures
+from .measuring import figures, fits
 from .measuring import plan as plans
 from .measuring.plan import (
     PROBE_MOST_OF_SMALL_BUDGET,
@@ -48,8 +49,9 @@ from .measuring.plan import (
     PROBE_SHARE_OF_BUDGET,
     TRIALS_SHARE,
 )
-from .measuring.runs import Config, Hooks, Runs
-from .measuring.runs import RunTime as _RunTime
+from .measuring.run import Config
+from .measuring.run import RunTime as _RunTime
+from .measuring.runs import Hooks, Runs
 from .options import Options
 from .report import (
     CellRun,
@@ -109,7 +111,7 @@ class Session:
         self._start_state: state.Snapshot | None = None
         self._start_switches = state.TorchSwitches.capture()  # taken again by the probe
         # the stack a plain run of the cell would execute under: timed runs of a cell whose
-        # cost depends on it execute there (`Runs._measuring_stack`)
+        # cost depends on it execute there (`Runner._measuring_stack`)
         self._plain_stack = plain_stack.PlainStack.of_caller()
         self._published_at = 0.0
         # notebook edits by the fix ids they are for (they change only with the applied set)
@@ -503,11 +505,11 @@ class Session:
 
     @contextmanager
     def _state_kept(self) -> Iterator[None]:
-        """The kernel ends measuring as it was (`Runs.state_kept`), or, where the probe ran
+        """The kernel ends measuring as it was (`Runner.state_kept`), or, where the probe ran
         part of the cell, as before the cell."""
         part_run = self._kernel == PART_RUN
         try:
-            with self.runs.state_kept(from_start=part_run):
+            with self.runs.runner.state_kept(from_start=part_run):
                 yield
         finally:
             if part_run and self._start_state is not None:
@@ -515,14 +517,14 @@ class Session:
 
     def _measure_fits(self) -> None:
         """After the cell ran out of memory: whether each memory fix makes it fit
-        (`Runs.measure_fits`)."""
+        (`fits.measure_fits`)."""
         device = self._observed().device
         tried = [
             Config(d.finding.id, [d.fix])
             for d in self.fixable
             if d.fix is not None and device in d.fix.cuts_memory_on
         ]
-        self.runs.measure_fits(tried, self._out_of_memory)
+        fits.measure_fits(self.runs.runner, tried, self._out_of_memory, self.runs.hooks)
 
     def _note_allocator_drift(self, configs: list[Config], runs: list[_RunTime]) -> None:
         """Say so when page faults moved the baseline's times (`figures.allocator_drift`)."""

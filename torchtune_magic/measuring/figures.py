@@ -20,7 +20,7 @@ from ..report import Sampling, Stats, Variant
 from .plan import BASELINE, Sampled
 
 if TYPE_CHECKING:
-    from .runs import Config, RunTime
+    from .run import Config, RunTime
 
 # page faults the baseline's runs did not all pay, worth more than this share of a run:
 # the allocator's state changed under the measurement (said in the report)

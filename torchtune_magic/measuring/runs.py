@@ -2,9 +2,9 @@
 fixes together, profiled runs (peak memory, FLOPs), and the conclusions drawn from them.
 
 Every run starts from the state the cell started from (snapshot S0), applies its
-configuration's fixes, and stops after the plan's step K when sampled. What the runs
-measure becomes a variant through `figures`; what they find worth saying goes to the
-session through its `Hooks`.
+configuration's fixes, and stops after the plan's step K when sampled (`run.Runner`). What
+the runs measure becomes a variant through `figures`; what they find worth saying goes to
+the session through its `Hooks`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,18 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..engine import (
-    allocator,
     discovery,
     fixes,
     load,
     memory,
     numerics,
-    oom,
     plain_stack,
     probe,
     state,
@@ -36,37 +34,13 @@ from ..engine import (
     utilisation,
     verdict,
 )
-from ..engine.workload import CellError, Workload, silenced
+from ..engine.workload import Workload
 from ..options import Options
 from ..report import MachineLoad, Variant
 from . import figures
 from . import plan as plans
 from .plan import BASELINE, PROBE_SLOWDOWN, MeasuringPlan
-
-
-@dataclass
-class Config:
-    """One configuration to measure: a label and the fixes it applies."""
-
-    label: str
-    fixes: list[fixes.Fix]
-
-    @property
-    def ids(self) -> list[str]:
-        return sorted(f.check_id for f in self.fixes)
-
-
-@dataclass
-class RunTime:
-    """One measuring run: its seconds and, when sampled, the time to the end of the warm-up
-    steps and the mean time per timed step."""
-
-    total_s: float
-    lead_s: float | None = None
-    step_s: float | None = None
-    watched: Any = None  # what the run's `watched` context gave (a memory Profile, …)
-    faults: int = 0  # minor page faults during the run
-    restart_s: float | None = None  # an epoch restart's cost, where the timed steps held one
+from .run import Config, Runner, RunTime
 
 
 @dataclass
@@ -131,10 +105,8 @@ class Runs:
     ):
         self.workload, self.obs, self.trace, self.count = workload, obs, trace, count
         self.options = options
-        self.start_state, self.start_switches = start_state, start_switches
-        # the stack a plain run of the cell would execute under: timed runs of a cell whose
-        # cost depends on it execute there (`_measuring_stack`)
-        self.plain_stack = stack
+        self.start_state = start_state
+        self.runner = Runner(workload, obs, trace, start_state, start_switches, stack, hooks.warn)
         self.cell_names = cell_names
         self.fix_for = fix_for
         self.hooks = hooks
@@ -146,7 +118,6 @@ class Runs:
         # compiled module, are cached on the fix, so a later set with it pays nothing again)
         self.first_costs: dict[str, float] = {}
         self.profiled_steps: int | None = None  # where the profiled runs stop (sampled)
-        self.give_up_at: float | None = None  # a run to a step past this stops (measuring)
         self.load: MachineLoad | None = None  # other processes' CPU time, last measurement
 
     @functools.cached_property
@@ -176,55 +147,6 @@ class Runs:
             if seen is not None:  # the report says it when it is more than a trace
                 self.load = MachineLoad(seen.window_s, seen.other_cpu_s, seen.cpus)
 
-    @contextmanager
-    def state_kept(self, from_start: bool) -> Iterator[None]:
-        """Whatever happens while measuring, the kernel ends as it was — with what the user
-        did since the cell ran — except for a probe's leftovers from part of a run, which
-        give way to the state before the cell (`from_start`: the complete run starts from
-        there). Without a snapshot, torch's global modes still go back (they cost nothing
-        to keep)."""
-        if self.start_state is None:
-            switches = state.TorchSwitches.capture()
-            try:
-                yield
-            finally:
-                switches.restore()
-            return
-        current = None
-        if not from_start:
-            namespace = self.workload.namespace
-            current = state.take(namespace, discovery.walk(namespace), self.workload.source)
-        try:
-            yield
-        finally:
-            self._note_unseen_writes()
-            if current is not None:
-                current.restore()
-            else:
-                self.start_state.restore()
-
-    def _note_unseen_writes(self) -> None:
-        """Say so when a measuring run wrote a tensor the probe had left as it was, in a way
-        torch does not see: the restores between runs passed over it (`Snapshot.
-        note_unwritten`), so the runs after that write started from its changed values."""
-        if self.start_state is None:
-            return
-        for label in self.start_state.written_unseen_objects():
-            self.hooks.warn(
-                f"a measuring run changed `{label}` in place in a way the restores between "
-                "runs passed over (its length and ends unchanged), so the runs after it "
-                "started from the changed contents; it is back as it was now"
-            )
-        changed = self.start_state.written_unseen()
-        if changed:
-            shapes = ", ".join(str(tuple(t.shape)) for t in changed[:3])
-            self.hooks.warn(
-                f"a measuring run wrote {len(changed)} tensor(s) of shape {shapes} that the "
-                "probe's run had left as they were, in a way torch does not see (through "
-                "`.data` or numpy), so the runs after it started from the changed values; "
-                "they are back as they were now"
-            )
-
     # a measurement ----------------------------------------------------------------------
     def measure(self, plan: MeasuringPlan) -> tuple[list[Variant], Variant]:
         """First runs, paired rounds, then the recommended fixes together (with `combine`),
@@ -234,11 +156,11 @@ class Runs:
         configs = [
             Config(plans.label(ids), [self.fix_for(i) for i in ids]) for ids in plan.configurations
         ]
-        self.give_up_at = plan.give_up_at
+        self.runner.give_up_at = plan.give_up_at
         try:
             return self._measured(configs, plan.deadline, plan.combine)
         finally:
-            self.give_up_at = None
+            self.runner.give_up_at = None
 
     def _measured(
         self, configs: list[Config], deadline: timing.Deadline, combine: bool
@@ -602,62 +524,6 @@ class Runs:
         self.memory_label = peak.label if peak else None
         return peak.bytes if peak else None
 
-    def measure_fits(self, tried: list[Config], failure: CellError | None) -> None:
-        """After the cell ran out of memory: one run with each memory fix (`tried`), from
-        the state before the cell to one step past the step that failed (the whole cell
-        where it has no steps), says whether the fix makes the cell fit, with that run's
-        peak memory and time. The kernel then goes back to what the failed run left, as
-        the plain cell leaves it."""
-        if not tried:
-            return
-        if self.start_state is None:
-            self.hooks.note(
-                "the memory fixes were not run: without a snapshot of the state before the "
-                "cell, a run with them would not start where the failed run started"
-            )
-            return
-        failed = failure.original if failure is not None else None
-        if failed is not None and oom.release_failed_run(failed, self.workload):
-            self.hooks.note(
-                "to run the memory fixes, the tensors the failed run still held (the locals "
-                "of the frames in its traceback, below the cell) were freed; the traceback "
-                "still shows where it failed"
-            )
-        namespace = self.workload.namespace
-        try:
-            left_by_failure = state.take(namespace, discovery.walk(namespace), self.workload.source)
-        except (MemoryError, OSError) as error:  # our snapshot did not fit either
-            self.hooks.note(f"the memory fixes were not run: no memory for a snapshot ({error})")
-            return
-        self.hooks.publish()
-        stop = self.trace.count + 1 if self.trace is not None else None
-        # the probe's op stream is missing after a failure; a profiler of the user's own is not
-        obs = self.obs
-        mine = obs.profiler_entries or obs.profiler_at_start
-        watch = memory.tracked if mine else memory.profiled
-        try:
-            for config in tried:
-                variant = Variant(fixes=config.ids)
-                self.hooks.progress(0.0, f"does it fit with {config.label}?")
-                try:
-                    run = self.one_run(config, stop=stop, watched=watch(obs.device))
-                except CellError as error:
-                    variant.fits = False if oom.is_out_of_memory(error.original) else None
-                    cause = "still out of memory" if variant.fits is False else "the cell raised"
-                    variant.error = f"{cause} with this fix: {figures.error_text(error.original)}"
-                except fixes.FixError as error:
-                    variant.error = f"the fix could not be applied: {error.reason}"
-                else:
-                    peak = run.watched.peak if run.watched is not None else None
-                    variant.fits, variant.median_s, variant.runs = True, run.total_s, 1
-                    variant.peak_memory_bytes = peak.bytes if peak is not None else None
-                variant.measured_at = figures.now()
-                self.hooks.measured(variant)
-                self.hooks.publish()
-        finally:
-            left_by_failure.restore()
-
-    # one run ----------------------------------------------------------------------------
     def one_run(
         self,
         config: Config,
@@ -665,86 +531,9 @@ class Runs:
         stop: int | None = None,
         watched: AbstractContextManager[Any] | None = None,
     ) -> RunTime:
-        """Run the cell once from the start state with the config's fixes applied; with
-        `stop`, the run ends after that step (`observe` sees the state there). `watched`
-        (peak memory, FLOPs) opens once the start state is back, so what the previous run
-        left and the restore frees is not counted against this run. A run to a step that
-        is still going when the measurement's deadline has passed stops at the next step
-        boundary and raises timing.OutOfTime (a fix that makes the cell far slower than
-        foreseen cannot overrun the budget by more than a step).
-
-        A measuring run of a cell whose cost depends on the stack (anomaly detection on)
-        executes the cell under the stack a plain run of it has (`plain_stack`)."""
+        """One run of the configuration (`Runner.run`), sampled as the plan says."""
         __tracebackhide__ = True
-        if self.start_state is not None:
-            self.start_state.restore(written_only=True)
-        else:  # no snapshot: each run still starts in the modes the cell started in
-            self.start_switches.restore()
-        namespace = self.workload.namespace
-        source = fixes.combined_source(self.workload.source, config.fixes)
-        counter = None
-        plan = self.sample
-        timed_run = plan is not None and stop == plan.stop  # not a short profiled run
-        if stop is not None and plan is not None:
-            epoch_end = plan.epoch_end if timed_run else None
-            counter = steps.StepCounter(
-                plan.source,
-                warmup=plan.warmup,
-                stop=stop,
-                epoch_end=epoch_end,
-                give_up_at=self.give_up_at,
-            )
-        elif stop is not None and self.trace is not None:  # a run to a step, untimed
-            counter = steps.StepCounter(
-                steps.source_of(self.obs, self.trace),
-                stop=stop,
-                give_up_at=self.give_up_at,
-            )
-        with (
-            watched or nullcontext() as seen,
-            fixes.applied(config.fixes, namespace),
-            fixes.combined_context(config.fixes, namespace, in_cell=False),
-            silenced(),
-            counter.counting() if counter else nullcontext() as times,
-        ):
-            started, faults = time.perf_counter(), allocator.minor_faults()
-            in_cell = fixes.combined_context(config.fixes, namespace, in_cell=True)
-            loop_keys = counter.source.loop_keys if counter else frozenset()
-            try:
-                seconds = self.workload.run(
-                    source, self._measuring_stack(config), in_cell, loop_keys
-                )
-            except steps.StepLimitReached:
-                seconds = time.perf_counter() - started
-            faults = allocator.minor_faults() - faults
-            if times is not None and times.gave_up:
-                raise timing.OutOfTime(f"{config.label}: stopped at step {times.count}")
-            if observe is not None:
-                observe()
-        if times is None or plan is None:
-            return RunTime(seconds, watched=seen, faults=faults)
-        per_epoch = plan.per_epoch if timed_run else None
-        step_s = times.per_step(plan.warmup, per_epoch)
-        if not times.stopped and times.lead_s is not None and times.count > plan.warmup:
-            step_s = (seconds - times.lead_s) / (times.count - plan.warmup)
-            self.hooks.warn(
-                f"{config.label}: the run ended after {times.count} steps, before step {stop}; "
-                "its per-step time includes what runs after the last step"
-            )
-        restart_s = times.restart(plan.warmup) if per_epoch else None
-        return RunTime(seconds, times.lead_s, step_s, seen, faults, restart_s)
-
-    def _measuring_stack(self, config: Config) -> plain_stack.PlainStack | None:
-        """The stack a measuring run executes the cell under: the plain cell's where the
-        run's cost follows it (anomaly detection, which stores the Python stack with every
-        autograd node, seen on in the probe and not turned off by the config's fixes) and a
-        stack of its own can be had; else where it stands. (A run on a stack of its own
-        pays ~0.1 ms to start it, so runs whose cost does not follow the stack stay.)"""
-        obs = self.obs
-        follows = bool(obs.forward_with_anomaly or obs.backward_with_anomaly)
-        if not follows or any(fix.ends_stack_cost for fix in config.fixes):
-            return None
-        return self.plain_stack if plain_stack.fresh_stack_available() else None
+        return self.runner.run(config, self.sample, observe, stop, watched)
 
     def _capture(
         self, outputs: dict[str, numerics.Outputs], label: str, watched: tuple[set[str], dict]
