@@ -8,8 +8,8 @@ tensors as parameters, hand-written layer classes (no `nn.Module`), manual SGD, 
 drawn with `torch.randint`, lists from an earlier cell appended to every step, and an early
 `if i >= n: break`. Four sizes (1 s, 3 s, 15 s, 60 s plain; `--scale 0.1` for a quick
 check), each run in one real IPython shell: the plain cell, `%%perfcheck` (default
-budget) and the plain cell again in turns, `--repeats` times, with nothing else running ("quiet") and with one
-CPU-bound process beside it ("busy": `python -c "while True: pass"`).
+budget) and the plain cell again in turns, `--repeats` times, with nothing else running
+("quiet") and with one CPU-bound process beside it ("busy": `python -c "while True: pass"`).
 
 Per row: the plain cell's time; the whole `%%perfcheck` wait and its parts (the probe and
 checks until the findings showed, the measuring, the cell's complete run); the promise
@@ -242,6 +242,11 @@ def _shell() -> Any:
 
 
 def _set_up(shell: Any, case: Case) -> None:
+    import torch._dynamo
+
+    # Code a check compiled keeps names in the namespace it ran in; dropping the code first
+    # lets it take them away itself, before the reset below clears the namespace under it.
+    torch._dynamo.reset()
     shell.reset(new_session=False)
     for source in (DATA, case.setup):
         result = shell.run_cell(source)
