@@ -70,12 +70,14 @@ SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5
 # benchmarks/engine_overhead.py): used to guess a plain run's length before timing one.
 PROBE_SLOWDOWN = 2.0
 # The probe of a long cell stops at a step boundary once it has run this share of the
-# budget (within these bounds, the lower one at most half a small budget): long enough for
-# every check's evidence, short enough that findings are on screen within seconds. It
-# counts against the budget: for a long cell its run is repeated whole at the end.
+# budget (within these bounds): long enough for every check's evidence, short enough that
+# findings are on screen within seconds. It comes before the budget (the promise: the wait
+# is the probe, the budget and the cell's complete run), and a small share of it: for a
+# long cell the probe's run is repeated whole at the end. Counting it in the budget left a
+# small budget on a busy machine nothing to measure with (a 13.7x win read "no clear
+# change" after three rounds of `--budget 2`).
 PROBE_SHARE_OF_BUDGET = 0.15
 PROBE_SECONDS = (2.0, 8.0)
-PROBE_MOST_OF_SMALL_BUDGET = 0.5
 # Our profiler covers the probe's first steps for this long: reading its events back costs
 # seconds per few seconds profiled (a 3000-step raw-tensor loop: ~5 s), and a few seconds
 # of steps tell the checks the op shares of the cell.
@@ -197,9 +199,9 @@ class Session:
         self._first_costs: dict[str, float] = {}
         # notebook edits by the fix ids they are for (they change only with the applied set)
         self._notebook_edits: dict[tuple[str, ...], NotebookEdits | None] = {}
-        # the budget as a promise: set when `run` starts (the snapshot and the probe, the
-        # checks' trials and the first measurement all count against it); a later Re-time
-        # gets a budget of its own
+        # the budget as a promise: set when the probe is done (the checks' trials and the
+        # first measurement count against it; the probe is bounded by a share of it); a
+        # later Re-time gets a budget of its own
         self._deadline: timing.Deadline | None = None
         self._load: MachineLoad | None = None  # other processes' CPU time, last measurement
         # what the probe's run changed that no restore puts back (a generator advanced, a
@@ -214,8 +216,8 @@ class Session:
         cell's complete run. The cell's own exception propagates (as CellError); Ctrl-C
         propagates after the report says where it stopped."""
         __tracebackhide__ = True
-        self._deadline = timing.Deadline(self.options.budget)
         self.probe()
+        self._deadline = timing.Deadline(self.options.budget)
         self.detect()
         if self._out_of_memory is not None:  # a report on what happened, then the traceback
             self.cell_run = CellRun("failed", detail=self.oom.error if self.oom else None)
@@ -268,9 +270,7 @@ class Session:
                 self._start_state = state.take(namespace, found, self.workload.source)
         device = self.options.device or "cpu"
         low, high = PROBE_SECONDS
-        budget = self.options.budget
-        low = min(low, PROBE_MOST_OF_SMALL_BUDGET * budget)
-        stop_after: float | None = min(high, max(low, PROBE_SHARE_OF_BUDGET * budget))
+        stop_after: float | None = min(high, max(low, PROBE_SHARE_OF_BUDGET * self.options.budget))
         if self._start_state is not None and self._start_state.reaches_one_way_state:
             # a generator, iterator or file the cell could advance: if it does, no restore
             # puts it back, and the probe must then be the cell's one complete run
@@ -601,7 +601,7 @@ class Session:
     ) -> Report:
         """Time the baseline against fix sets (default: each fix alone, then the recommended
         ones together) in paired rounds, within `budget_s` counted from now (default: what
-        is left of the run's budget, which the probe and the checks have drawn on). Applied
+        is left of the run's budget, which the checks have drawn on). Applied
         fixes are lifted for the duration and put back after. Earlier measurements stay in
         the report; each variant says when it was taken and against which baseline."""
         __tracebackhide__ = True
