@@ -7,9 +7,9 @@ The cells train character-level language models as lecture notebooks do (issue 1
 tensors as parameters, hand-written layer classes (no `nn.Module`), manual SGD, minibatches
 drawn with `torch.randint`, lists from an earlier cell appended to every step, and an early
 `if i >= n: break`. Four sizes (1 s, 3 s, 15 s, 60 s plain; `--scale 0.1` for a quick
-check), each run in one real IPython shell: the plain cell and `%%perfcheck` (default
-budget) in turns, `--repeats` times, with nothing else running ("quiet") and with one
-CPU-bound process beside it ("busy": `python -c "while True: pass"`).
+check), each run in one real IPython shell: the plain cell, `%%perfcheck` (default
+budget) and the plain cell again in turns, `--repeats` times, with nothing else running
+("quiet") and with one CPU-bound process beside it ("busy": `python -c "while True: pass"`).
 
 Per row: the plain cell's time; the whole `%%perfcheck` wait and its parts (the probe and
 checks until the findings showed, the measuring, the cell's complete run); the promise
@@ -242,6 +242,11 @@ def _shell() -> Any:
 
 
 def _set_up(shell: Any, case: Case) -> None:
+    import torch._dynamo
+
+    # Code a check compiled keeps names in the namespace it ran in; dropping the code first
+    # lets it take them away itself, before the reset below clears the namespace under it.
+    torch._dynamo.reset()
     shell.reset(new_session=False)
     for source in (DATA, case.setup):
         result = shell.run_cell(source)
@@ -301,11 +306,17 @@ def _checked(shell: Any, case: Case, steps: int) -> Run:
 
 
 def measure(shell: Any, case: Case, kind: str, steps: int, repeats: int) -> Row:
+    """The plain cell is timed on both sides of each check, and short cells several times
+    (3 s of plain runs a side at least), since this machine's speed drifts by tens of
+    percent for a second at a time: one 1 s plain run is not the cell's own time."""
     row = Row(f"{case.name} ({case.target_s:g} s)", kind, steps)
+    plain_runs = max(1, round(3.0 / case.target_s))
     with load(kind):
-        for _ in range(repeats):  # in turns: the plain cell, then %%perfcheck
-            plain = _plain(shell, case, steps)
+        for _ in range(repeats):  # in turns: the plain cell, %%perfcheck, the plain cell
+            before = [_plain(shell, case, steps) for _ in range(plain_runs)]
             run = _checked(shell, case, steps)
+            after = [_plain(shell, case, steps) for _ in range(plain_runs)]
+            plain = statistics.median(before + after)
             run.plain_s = plain
             row.runs.append(run)
             print(

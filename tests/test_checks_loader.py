@@ -15,7 +15,10 @@ from workloads import namespace_with
 
 from tests.slow_data import BusyDataset, SlowDataset
 from torchtune_magic import perfcheck
-from torchtune_magic.checks import loader as loader_checks
+from torchtune_magic.checks.loader.edits import non_blocking_edit, with_keywords
+from torchtune_magic.checks.loader.fixes import PinMemoryFix, WorkersFix
+from torchtune_magic.checks.loader.rebuild import plan_for
+from torchtune_magic.checks.loader.trial import IO_BOUND_CPU_SHARE, MAX_WORKERS
 from torchtune_magic.engine import cpu
 from torchtune_magic.session import Session
 
@@ -223,7 +226,7 @@ def test_io_bound_loading_tries_more_workers_than_cores_and_says_why():
     ns = namespace(MODEL + "loader = DataLoader(SlowDataset(64, delay_s=0.002), batch_size=8)")
     (detection,) = detected(TRAIN, ns).detections
     evidence = detection.finding.evidence
-    above = min(2 * CORES, loader_checks.MAX_WORKERS, 8)
+    above = min(2 * CORES, MAX_WORKERS, 8)
     if above <= CORES:
         pytest.skip("this machine has as many cores as there are batches to load")
     assert above in _trials(evidence), evidence
@@ -232,7 +235,7 @@ def test_io_bound_loading_tries_more_workers_than_cores_and_says_why():
         r"(\d+)% of the time",
         evidence,
     )
-    assert busy and int(busy.group(1)) < 100 * loader_checks.IO_BOUND_CPU_SHARE, evidence
+    assert busy and int(busy.group(1)) < 100 * IO_BOUND_CPU_SHARE, evidence
 
 
 def test_each_trial_figure_is_measured_on_its_own_epoch():
@@ -326,9 +329,9 @@ def test_workers_and_pin_memory_merge_on_one_loader_in_any_order():
     original = ns["loader"]
     session = detected("n = sum(1 for _ in loader)\n", ns)
     locations = session.observation.found[id(original)].locations
-    plan = loader_checks.plan_for(original, locations)
-    workers = loader_checks.WorkersFix({"num_workers": 1, "persistent_workers": True}, plan, None)
-    pin = loader_checks.PinMemoryFix({"pin_memory": True}, plan, None)
+    plan = plan_for(original, locations)
+    workers = WorkersFix({"num_workers": 1, "persistent_workers": True}, plan, None)
+    pin = PinMemoryFix({"pin_memory": True}, plan, None)
     for order in ([workers, pin], [pin, workers]):
         for fix in order:
             fix.apply(ns)
@@ -351,8 +354,8 @@ def test_pin_memory_is_not_applicable_on_cpu():
 
 def test_copy_lines_get_non_blocking_and_constructor_pin_memory():
     source = "loader = DataLoader(ds, batch_size=8)\nfor x, y in loader:\n    x = x.to(device)\n"
-    edited = loader_checks.with_keywords(source, 1, {"DataLoader"}, {"pin_memory": "True"})
-    edited = loader_checks._non_blocking(edited, {3})
+    edited = with_keywords(source, 1, {"DataLoader"}, {"pin_memory": "True"})
+    edited = non_blocking_edit(edited, {3})
     assert "DataLoader(ds, batch_size=8, pin_memory=True)" in edited
     assert "x.to(device, non_blocking=True)" in edited
 
@@ -370,7 +373,4 @@ def test_copy_lines_get_non_blocking_and_constructor_pin_memory():
 )
 def test_constructor_edit(call: str, expected: str):
     values = {"num_workers": "2", "persistent_workers": "True"}
-    assert (
-        loader_checks.with_keywords(f"l = {call}\n", 1, {"DataLoader"}, values)
-        == f"l = {expected}\n"
-    )
+    assert with_keywords(f"l = {call}\n", 1, {"DataLoader"}, values) == f"l = {expected}\n"

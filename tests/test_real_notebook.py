@@ -221,11 +221,16 @@ def _notebook(magic: str | None) -> nbformat.NotebookNode:
 
 
 def _outputs(cell: nbformat.NotebookNode) -> list[tuple[str, str]]:
-    """A cell's outputs as comparable text: streams, text results, PNGs by their hash."""
-    seen = []
+    """A cell's outputs as comparable text: streams, text results, PNGs by their hash. Text
+    printed to one stream in a row is one output: the kernel sends it in as many messages as
+    its flushes happen to cut it into, which timing decides, not the cell."""
+    seen: list[tuple[str, str]] = []
     for output in cell.outputs:
         if output.output_type == "stream":
-            seen.append((output.name, output.text))
+            if seen and seen[-1][0] == output.name:
+                seen[-1] = (output.name, seen[-1][1] + output.text)
+            else:
+                seen.append((output.name, output.text))
         elif output.output_type in ("execute_result", "display_data"):
             data = output.data
             if "image/png" in data:

@@ -73,8 +73,9 @@ class PerfcheckMagics(Magics):
         "--budget",
         type=float,
         metavar="SECONDS",
-        help="seconds the probe, the checks' trials and the measuring may take together "
-        "(default 20): nothing starts that would end past it; progress is shown",
+        help="seconds the checks' trials and the measuring may take together after the "
+        "probe (default 20; the probe: 15%% of it, 2 to 8 s): nothing starts that would end "
+        "past it; progress is shown",
     )
     @argument("--quick", action="store_true", help="measure only baseline and all fixes together")
     @argument(

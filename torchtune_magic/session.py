@@ -44,7 +44,6 @@ from .engine.workload import CellError, Workload, captured
 from .measuring import figures, fits
 from .measuring import plan as plans
 from .measuring.plan import (
-    PROBE_MOST_OF_SMALL_BUDGET,
     PROBE_SECONDS,
     PROBE_SHARE_OF_BUDGET,
     TRIALS_SHARE,
@@ -116,9 +115,9 @@ class Session:
         self._published_at = 0.0
         # notebook edits by the fix ids they are for (they change only with the applied set)
         self._notebook_edits: dict[tuple[str, ...], NotebookEdits | None] = {}
-        # the budget as a promise: set when `run` starts (the snapshot and the probe, the
-        # checks' trials and the first measurement all count against it); a later Re-time
-        # gets a budget of its own
+        # the budget as a promise: set when the probe is done (the checks' trials and the
+        # first measurement count against it; the probe is bounded by a share of it); a
+        # later Re-time gets a budget of its own
         self._deadline: timing.Deadline | None = None
         # what the probe's run changed that no restore puts back (a generator advanced, a
         # file written): the cell is then not run again, and these say why
@@ -130,8 +129,8 @@ class Session:
         cell's complete run. The cell's own exception propagates (as CellError); Ctrl-C
         propagates after the report says where it stopped."""
         __tracebackhide__ = True
-        self._deadline = timing.Deadline(self.options.budget)
         self.probe()
+        self._deadline = timing.Deadline(self.options.budget)
         self.detect()
         if self._out_of_memory is not None:  # a report on what happened, then the traceback
             self.cell_run = CellRun("failed", detail=self.oom.error if self.oom else None)
@@ -185,9 +184,7 @@ class Session:
                 self._start_state = state.take(namespace, found, self.workload.source)
         device = self.options.device or "cpu"
         low, high = PROBE_SECONDS
-        budget = self.options.budget
-        low = min(low, PROBE_MOST_OF_SMALL_BUDGET * budget)
-        stop_after: float | None = min(high, max(low, PROBE_SHARE_OF_BUDGET * budget))
+        stop_after: float | None = min(high, max(low, PROBE_SHARE_OF_BUDGET * self.options.budget))
         if self._start_state is not None and self._start_state.reaches_one_way_state:
             # a generator, iterator or file the cell could advance: if it does, no restore
             # puts it back, and the probe must then be the cell's one complete run
@@ -438,7 +435,7 @@ class Session:
     ) -> Report:
         """Time the baseline against fix sets (default: each fix alone, then the recommended
         ones together) in paired rounds, within `budget_s` counted from now (default: what
-        is left of the run's budget, which the probe and the checks have drawn on). Applied
+        is left of the run's budget, which the checks have drawn on). Applied
         fixes are lifted for the duration and put back after. Earlier measurements stay in
         the report; each variant says when it was taken and against which baseline."""
         __tracebackhide__ = True

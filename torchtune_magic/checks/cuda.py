@@ -18,7 +18,7 @@ from ..engine import codeedit
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
-from .loader import _lines_text, _non_blocking
+from .loader import lines_text, non_blocking_edit
 
 if TYPE_CHECKING:
     from ..engine.probe import HostCopy, Observation
@@ -106,7 +106,7 @@ class NonBlockingCopyFix(Fix):
         self.lines = set(lines)
 
     def edit_source(self, source: str) -> str:
-        return _non_blocking(source, self.lines)
+        return non_blocking_edit(source, self.lines)
 
 
 class NonBlockingCopyCheck(Check):
@@ -122,7 +122,7 @@ class NonBlockingCopyCheck(Check):
             return []
         lines = {c.line for c in blocking if c.line is not None}
         source = obs.workload.source
-        fixed = _non_blocking(source, lines)
+        fixed = non_blocking_edit(source, lines)
         fix = NonBlockingCopyFix(lines) if fixed != source else None
         size = _mib(sum(c.nbytes for c in blocking))
         evidence = (
@@ -137,7 +137,7 @@ class NonBlockingCopyCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
-                    where=f"cell {_lines_text(lines)}" if lines else "code called from the cell",
+                    where=f"cell {lines_text(lines)}" if lines else "code called from the cell",
                     fixable=fix is not None,
                     line=min(lines) if lines else None,
                     caveat=(
@@ -258,9 +258,9 @@ class TensorOnDeviceCheck(Check):
                     evidence=(
                         f"{len(moved)} tensors ({_mib(sum(c.nbytes for c in moved))}) were "
                         f"built on the CPU and copied to the GPU at cell "
-                        f"{_lines_text(move_lines)}"
+                        f"{lines_text(move_lines)}"
                     ),
-                    where=f"cell {_lines_text(move_lines)}",
+                    where=f"cell {lines_text(move_lines)}",
                     fixable=True,
                     line=min(move_lines),
                     caveat=caveat,
