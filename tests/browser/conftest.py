@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,18 +47,58 @@ def jupyter_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab
             server.stop()
 
 
+def _driver_pids() -> list[int]:
+    """Playwright's driver processes (node ... run-driver) started by this test process."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == os.getpid() and b"run-driver" in command:
+            pids.append(int(entry.name))
+    return pids
+
+
+@contextlib.contextmanager
+def _driver_killed_if_stuck(seconds: float) -> Iterator[None]:
+    """Playwright's stop can wait forever on its driver once Chromium is gone: a full run
+    once sat idle in this teardown after its last test until the driver was killed by
+    hand. Past `seconds`, kill the driver; the stop then returns and the suite ends."""
+
+    def kill() -> None:
+        for pid in _driver_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(seconds, kill)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 @pytest.fixture(scope="session")
 def browser(jupyter_lab: JupyterLab) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as playwright:
+    playwright = sync_playwright().start()
+    try:
         chromium = playwright.chromium.launch(
             executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
         )
         try:
             yield chromium
         finally:
-            chromium.close()
+            with _driver_killed_if_stuck(30), contextlib.suppress(Exception):
+                chromium.close()
+    finally:
+        with _driver_killed_if_stuck(30), contextlib.suppress(Exception):
+            playwright.stop()
 
 
 @pytest.fixture
