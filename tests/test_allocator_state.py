@@ -156,14 +156,12 @@ def test_the_drift_note_says_what_moved_the_baseline() -> None:
     """First run faulting more: a kernel's first runs are slower than the baseline. Runs
     faulting unevenly (a cell freeing 16 MiB activations does so in a plain loop): the
     cell's time, fix or not, varies that much in a kernel too. Even runs: nothing said."""
-    from torchtune_magic.engine.workload import Workload
-    from torchtune_magic.options import Options
-    from torchtune_magic.session import Session, _RunTime
+    from torchtune_magic.measuring.figures import allocator_drift
+    from torchtune_magic.measuring.run import RunTime
 
     def notes(*faults: int) -> list[str]:
-        session = Session(Workload("pass", {}), Options.build())
-        session._note_allocator_drift([], [_RunTime(0.1, faults=f) for f in faults])
-        return session.warnings
+        note = allocator_drift([], [RunTime(0.1, faults=f) for f in faults])
+        return [] if note is None else [note]
 
     fault_s = allocator.fault_cost_s()
     many = int(0.05 * 0.1 / fault_s) * 4  # well past 5% of a 0.1 s run

@@ -49,7 +49,6 @@ from .measuring.plan import (
     TRIALS_SHARE,
 )
 from .measuring.run import Config
-from .measuring.run import RunTime as _RunTime
 from .measuring.runs import Hooks, Runs
 from .options import Options
 from .report import (
@@ -522,12 +521,6 @@ class Session:
             if d.fix is not None and device in d.fix.cuts_memory_on
         ]
         fits.measure_fits(self.runs.runner, tried, self._out_of_memory, self.runs.hooks)
-
-    def _note_allocator_drift(self, configs: list[Config], runs: list[_RunTime]) -> None:
-        """Say so when page faults moved the baseline's times (`figures.allocator_drift`)."""
-        note = figures.allocator_drift(configs, runs)
-        if note is not None:
-            self._warn_once(note)
 
     # report ---------------------------------------------------------------------------------
     def publish(self, report: Report) -> None:
