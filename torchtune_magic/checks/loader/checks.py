@@ -155,9 +155,7 @@ class WorkersCheck(Check):
             fix = WorkersFix(overrides, None if cell_edit else plan, cell_edit)
         if plan is not None and (fix is None or fix.plan is None):
             plan.close()  # no live swap will use the trial loaders: stop their workers
-        where = target.name
-        if use.lines:
-            where += f", iterated at cell {lines_text(use.lines)}"
+        where = _where_iterated(target)
         return Detection(
             self.finding(
                 evidence=evidence,
@@ -201,9 +199,7 @@ class WorkersCheck(Check):
         elif workers is not None:
             overrides = {"dataloader_num_workers": workers, "dataloader_persistent_workers": True}
             fix = TrainerWorkersFix(overrides, frameworks.args_plan(owner))
-        where = target.name
-        if use.lines:
-            where += f", iterated at cell {lines_text(use.lines)}"
+        where = _where_iterated(target)
         return Detection(
             self.finding(
                 evidence=evidence,
@@ -321,3 +317,11 @@ class PinMemoryCheck(Check):
             None,
             [earlier] if earlier else [],
         )
+
+
+def _where_iterated(target: Target) -> str:
+    """The loader's name and the cell lines that iterate it: where both workers findings
+    (the cell's own loader, a Trainer's) say the loader is."""
+    if not target.use.lines:
+        return target.name
+    return f"{target.name}, iterated at cell {lines_text(target.use.lines)}"
