@@ -49,8 +49,11 @@ def no_grad_detection(session):
 
 
 def assert_measured_memory_drop_and_identical_training(report) -> None:
+    # the profiled runs of a fix meant to cut memory cover every timed step (the evaluation
+    # after an epoch too) and have up to half the budget: 5 s holds them on a busy machine
     variant = report.variant_for(["no-grad"])
     assert variant.error is None
+    assert variant.peak_memory_bytes is not None, (report.sampling, report.warnings)
     assert variant.peak_memory_bytes < 0.6 * report.baseline.peak_memory_bytes
     assert variant.numerics.verdict == "identical"  # model weights and the values it bound
 
@@ -75,7 +78,7 @@ def test_evaluation_through_a_lambda_is_found_wrapped_and_measured():
 def test_evaluation_through_a_function_from_an_earlier_cell_is_rebound_and_measured():
     ns = namespace_with(SETUP)
     original = ns["evaluate"]
-    report = perfcheck(THROUGH_FUNCTION, ns, checks="no-grad", budget=3)
+    report = perfcheck(THROUGH_FUNCTION, ns, checks="no-grad", budget=5)
     (finding,) = report.findings
     assert finding.where == "evaluate, called at cell line 6 (2 forwards)"
     assert finding.code_change.diff == ""
@@ -159,7 +162,7 @@ def test_evaluation_statements_in_the_epoch_loop_are_wrapped_where_they_are():
     assert "+    with torch.no_grad():\n+        val = loss_fn(model(Xv), Yv).item()" in (
         detection.finding.code_change.diff
     )
-    report = perfcheck(cell, ns, checks="no-grad", budget=3)
+    report = perfcheck(cell, ns, checks="no-grad", budget=5)
     assert_measured_memory_drop_and_identical_training(report)
 
 

@@ -106,6 +106,19 @@ def test_the_probe_finds_the_training_loop_and_counts_the_iterations_that_ran():
     assert count.total == 41
 
 
+def test_a_probe_stopped_at_its_first_chance_still_takes_the_training_loop_for_the_step():
+    # a slow first iteration (a busy machine, the profiler starting) lets the probe's time
+    # run out inside it, in the loop over the parameters that comes before the backward
+    ns = _namespace(max_steps=200000, stop_at=40)
+    obs = probe.run(Workload(textwrap.dedent(TRAIN), ns), "cpu", stop_after_s=0.0)
+    assert obs.stopped_early
+    trace = obs.leading_step()
+    assert trace is not None and trace.obj.header == "for i in range(max_steps)"
+    assert trace.count == probe.PROBE_MIN_STEPS
+    count = steps.count_steps(obs, trace)
+    assert count.total == 41, count
+
+
 @pytest.mark.parametrize(
     ("cell", "total"),
     [

@@ -10,6 +10,7 @@ GPU's allocator refuses them at its memory size, and checkpointing them fits.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,8 +88,13 @@ CAP_MIB = 1000  # the blocks keep ~1 GiB for backward, ~0.35 GiB checkpointed
 
 
 def _run_capped() -> dict:
+    # One malloc arena: glibc reserves 64 MiB of address space for each thread's arena
+    # when that thread first allocates, which counts against the cap at a moment that
+    # depends on scheduling (2 runs in 5 then ran out with the fix too). A GPU's memory
+    # has no such thing; with one arena the cap holds tensors, as a GPU's memory does.
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(CAP_MIB)],
+        env={**os.environ, "MALLOC_ARENA_MAX": "1"},
         cwd=HERE,
         capture_output=True,
         text=True,

@@ -37,6 +37,7 @@ class NoGradFix(Fix):
 
     check_id = "no-grad"
     context_in_cell = True  # the change wraps the cell in `with torch.no_grad():`
+    cuts_memory_on = frozenset({"cpu", "cuda"})  # no graph, no saved activations
 
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
         return torch.no_grad()
@@ -293,6 +294,7 @@ class EvaluationNoGradFix(Fix):
     has rebound the name since), and the cell's own evaluation code is edited."""
 
     check_id = "no-grad"
+    cuts_memory_on = frozenset({"cpu", "cuda"})  # the evaluation saves no activations
 
     def __init__(self, functions: list[_EvalTarget], source: str, fixed: str):
         super().__init__()

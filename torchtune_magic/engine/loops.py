@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from copy import deepcopy
 from dataclasses import dataclass
@@ -76,6 +77,20 @@ def _walk_loops(tree: ast.AST) -> Iterator[tuple[ast.For | ast.AsyncFor | ast.Wh
                 yield from visit(child, depth)
 
     yield from visit(tree, 0)
+
+
+@functools.lru_cache(maxsize=8)
+def backward_call_lines(tree: ast.Module) -> frozenset[int]:
+    """The cell lines whose own code calls `.backward(...)` (`loss.backward()`,
+    `torch.autograd.backward(...)`): where the training step is, before any has run.
+    Cached per tree (the probe asks at every iteration boundary)."""
+    return frozenset(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "backward"
+    )
 
 
 def loops_of(tree: ast.Module) -> list[Loop]:

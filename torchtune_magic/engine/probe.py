@@ -233,9 +233,12 @@ class Observation:
         """Of the cell's loops, the one whose iterations are its steps: the innermost loop
         around the lines that called backward (one training step an iteration), however few
         iterations it has ended yet (a loop inside it, over the parameters, has ended more
-        by then), else the loop that iterated most (in a nest, the inner one)."""
+        by then), else the loop that iterated most (in a nest, the inner one). The lines
+        where the cell's own code calls `.backward()` count before any backward has run:
+        a probe stopped early in the first iteration, in the loop over the parameters that
+        comes before the backward, must not take that loop for the step."""
         traces = [t for t in self.step_traces.values() if t.unit == "iteration"]
-        backward = self.backward_lines
+        backward = self.backward_lines | loops.backward_call_lines(self.workload.tree)
         training = [t for t in traces if any(t.obj.encloses(line) for line in backward)]
         if training:
             return max(training, key=lambda t: t.obj.depth)

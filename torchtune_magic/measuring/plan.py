@@ -35,6 +35,9 @@ TRIALS_SHARE = 0.25  # of the budget, for the checks' own trials together
 # The budget as a promise (`timing.Deadline`): how a measurement shares out what is left
 COMBINED_SHARE_OF_ROUNDS = 0.35  # kept for the recommended fixes together, once known
 PROFILED_SHARE = 0.25  # profiled runs are reserved for only when they cost at most this
+# ... and those of the baseline and the fixes meant to cut memory up to this: one run gives
+# a peak for good, where one more timed round adds little
+MEMORY_PROFILED_SHARE = 0.5
 BASELINE_ONLY_ROUNDS = 3  # timed runs of a cell with no fix to measure
 GIVE_UP_AFTER_DEADLINE_S = 1.0  # a run to a step still going this long past the deadline stops
 
@@ -69,6 +72,7 @@ class MeasuringPlan:
     deadline_s: float
     deadline_start: float  # a perf_counter time
     profiled_most_s: float  # the most the profiled runs are reserved (PROFILED_SHARE)
+    memory_profiled_most_s: float  # ... with fixes meant to cut memory (MEMORY_PROFILED_SHARE)
     combined_share: float = COMBINED_SHARE_OF_ROUNDS
     baseline_only_rounds: int = BASELINE_ONLY_ROUNDS
     give_up_after_s: float = GIVE_UP_AFTER_DEADLINE_S
@@ -120,6 +124,7 @@ def make(
         deadline_s=deadline.seconds,
         deadline_start=deadline.start,
         profiled_most_s=PROFILED_SHARE * options.budget,
+        memory_profiled_most_s=MEMORY_PROFILED_SHARE * options.budget,
     )
     if previous is not None:
         return replace(plan, sampled=previous.sampled, calibrated=previous.calibrated)

@@ -118,6 +118,8 @@ class Runs:
         # compiled module, are cached on the fix, so a later set with it pays nothing again)
         self.first_costs: dict[str, float] = {}
         self.profiled_steps: int | None = None  # where the profiled runs stop (sampled)
+        # a fix meant to cut memory is measured: profiled runs cover all the timed steps
+        self.profiled_whole_sample = False
         self.load: MachineLoad | None = None  # other processes' CPU time, last measurement
 
     @functools.cached_property
@@ -166,8 +168,12 @@ class Runs:
         self, configs: list[Config], deadline: timing.Deadline, combine: bool
     ) -> tuple[list[Variant], Variant]:
         measuring = Measuring(configs, self._watched_outputs())
+        self.profiled_steps, self.profiled_whole_sample = None, self._cutting(configs) > 0
         self._first_runs(measuring, deadline)
-        reserve = self._profiled_reserve(len(measuring.runnable), measuring.firsts.get(BASELINE))
+        runnable = measuring.runnable
+        reserve = self._profiled_reserve(
+            len(runnable), self._cutting(runnable), measuring.firsts.get(BASELINE)
+        )
         rounds_deadline = timing.Deadline(max(0.0, deadline.seconds - reserve), deadline.start)
         if combine:  # the fixes alone first, leaving room for the recommended ones together
             left = rounds_deadline.left()
@@ -229,7 +235,7 @@ class Runs:
                 if label == BASELINE and self.sample is not None and not self._plan.calibrated:
                     first = self.one_run(config, stop=self._stop())
                     measuring.firsts[BASELINE] = first
-                    self._calibrate(first, deadline.left())
+                    self._calibrate(first, deadline.left(), self._cutting(measuring.configs))
                     started = time.perf_counter()
                 value = self._timed_run(measuring, config)
                 if not any(f.one_time_cause for f in config.fixes):  # what a round will take
@@ -248,14 +254,15 @@ class Runs:
             else:
                 measuring.rounds.rounds.append(first_round)
 
-    def _calibrate(self, first: RunTime, budget_s: float) -> None:
+    def _calibrate(self, first: RunTime, budget_s: float, cutting: int) -> None:
         """Set the stop step from the baseline's first uninstrumented run, so that the
-        timed rounds fit in `budget_s` once the profiled runs are paid for."""
+        timed rounds fit in `budget_s` once the profiled runs are paid for (`cutting`:
+        the configurations meant to cut memory)."""
         plan = self._plan
         total = self.count.total if self.count else None
         left = budget_s
         if plan.sampled is not None and first.lead_s is not None and first.step_s is not None:
-            left -= self._profiled_reserve(plan.planned, first)
+            left -= self._profiled_reserve(plan.planned, cutting, first)
         self.plan = plans.calibrated(plan, total, first.lead_s, first.step_s, left)
 
     @contextmanager
@@ -355,26 +362,30 @@ class Runs:
         sample = self.sample
         self.profiled_steps = sample.stop if sample is not None else None
         guess = self._profiled_guess(first)
-        if sample is not None and not deadline.allows(runs * guess):
+        if (
+            sample is not None
+            and not deadline.allows(runs * guess)
+            and not self.profiled_whole_sample
+        ):
             self.profiled_steps = min(sample.stop, steps.PROFILED_STEPS)
             guess = self._profiled_guess(first)
         skipped = False
-        # the baseline's peak memory and FLOPs first (the reserve is kept for those at least),
-        # then each fix's peak memory while time is left
-        for config in measuring.runnable:
+        for config in self._profiled_order(measuring):
+            counted = self.flops is not None or self.flops_detail is not None
+            if config is None and counted:  # once per session
+                continue
             if not deadline.allows(guess):
                 skipped = True
+                continue
+            if config is None:
+                self._count_flops(measuring.configs[0])
+                skipped = skipped or (self.flops is None and self.flops_detail is None)
                 continue
             self.hooks.progress(1.0, f"peak memory: {config.label}")
             try:
                 measuring.results[config.label].peak_memory_bytes = self._checked_run(config)
             except timing.OutOfTime:
                 skipped = True
-            if config.label == BASELINE:
-                if deadline.allows(guess):
-                    self._count_flops(measuring.configs[0])
-                elif self.flops is None and self.flops_detail is None:
-                    skipped = True
         if skipped:
             self.hooks.warn(
                 f"peak memory and FLOPs were not measured for every configuration: a profiled "
@@ -561,19 +572,45 @@ class Runs:
     def _profiled_stop(self) -> int | None:
         """Sampled: profiled runs (memory, FLOPs) stop where the timed runs stop, so their
         peak covers the same work (an evaluation pass at an epoch's end included), or after
-        a couple of steps where the budget has no room for that (`_profiled_runs`)."""
+        a couple of steps where the budget has no room for that (`_profiled_runs`) — never
+        when a fix meant to cut memory is measured: the part it acts on (an evaluation
+        after the epoch) may come after those steps, and a peak without it would read
+        "same memory" for a fix that cuts it."""
         sample = self.sample
         if sample is None:
             return None
-        return self.profiled_steps or min(sample.stop, steps.PROFILED_STEPS)
+        if self.profiled_steps:
+            return self.profiled_steps
+        return sample.stop if self.profiled_whole_sample else min(sample.stop, steps.PROFILED_STEPS)
 
-    def _profiled_reserve(self, configurations: int, first: RunTime | None) -> float:
+    def _profiled_order(self, measuring: Measuring) -> list[Config | None]:
+        """What the profiled runs measure, most wanted first (None: the FLOPs count): the
+        baseline's peak (the reserve always has room for it and the FLOPs), the peaks of
+        the fixes meant to cut memory on this device (the figure they are for), the
+        FLOPs, then each other fix's peak while time is left."""
+        configs = measuring.runnable
+        if not configs or configs[0].label != BASELINE:  # no baseline run: no FLOPs either
+            return list(configs)
+        cuts = [c for c in configs[1:] if self._cuts_memory(c)]
+        return [*configs[:1], *cuts, None, *(c for c in configs[1:] if c not in cuts)]
+
+    def _cuts_memory(self, config: Config) -> bool:
+        return any(self.obs.device in f.cuts_memory_on for f in config.fixes)
+
+    def _cutting(self, configs: list[Config]) -> int:
+        return sum(1 for c in configs[1:] if self._cuts_memory(c))
+
+    def _profiled_reserve(self, planned: int, cutting: int, first: RunTime | None) -> float:
         """Seconds to keep for the profiled runs (one per configuration, one for FLOPs)
         where they are cheap enough (at most PROFILED_SHARE of the budget), else for the
-        baseline's two (its peak memory and FLOPs); the others run if the rounds leave
-        time."""
-        guess, most = self._profiled_guess(first), self._plan.profiled_most_s
-        for runs in (configurations + 1, 2):
+        baseline's two (its peak memory and FLOPs) and one for each of the `cutting`
+        configurations meant to cut memory (up to MEMORY_PROFILED_SHARE), else for the
+        baseline's two; the others run if the rounds leave time."""
+        guess, plan = self._profiled_guess(first), self._plan
+        tiers = [(planned + 1, plan.profiled_most_s), (2, plan.profiled_most_s)]
+        if cutting:
+            tiers.insert(1, (2 + cutting, plan.memory_profiled_most_s))
+        for runs, most in tiers:
             if runs * guess <= most:
                 return runs * guess
         return 0.0
