@@ -361,6 +361,9 @@ import json, torch
 from glibc_blocks import mapped
 from workloads import detected, namespace_with
 from torchtune_magic.checks.allocator import AllocatorFix
+from torchtune_magic.engine.verdict import Speedup
+from torchtune_magic.measuring import figures
+from torchtune_magic.report import Variant
 torch.set_num_threads(1)  # a busy machine's stalled threads would blur the fault share
 
 SETUP = '''
@@ -390,8 +393,23 @@ ns = namespace_with(SETUP)
 session = detected(CELL, ns, checks="cpu-allocator", budget=4)
 report = session.measure()
 variant = report.variant_for(["cpu-allocator"])
+findings = [f.__dict__ | {"code_change": f.code_change.__dict__} for f in report.findings]
+
+# where the heap falls so that the fix wins nothing, the finding goes; until that is
+# settled (more rounds could still tell) it stays
+def measured(ratios, budget_to_tell_s=None):
+    fixed = Variant(fixes=["cpu-allocator"], median_s=1.0, budget_to_tell_s=budget_to_tell_s)
+    figures.set_speedup(fixed, Variant(fixes=[], median_s=1.0), Speedup.of(ratios))
+    return fixed
+
+session._drop_findings_without_win([measured([1.3, 0.8, 1.1], budget_to_tell_s=20.0)])
+kept_unsettled = [d.finding.id for d in session.detections]
+session._drop_findings_without_win([measured([1.0 + 0.01 * (i % 3 - 1) for i in range(12)])])
 print(json.dumps({
-    "findings": [f.__dict__ | {"code_change": f.code_change.__dict__} for f in report.findings],
+    "findings": findings,
+    "kept_unsettled": kept_unsettled,
+    "after_settled": [d.finding.id for d in session.detections],
+    "dropped": [n.__dict__ for n in session.not_applicable if n.id == "cpu-allocator"],
     "variants": [v.fixes for v in report.variants],
     "speedup": variant and variant.speedup, "win": bool(variant and variant.is_win),
     "error": variant and variant.error, "verdict": variant and variant.numerics.verdict,
@@ -433,6 +451,13 @@ def test_set_to_none_churn_shows_its_page_faults_and_mallopt_fix_is_undone_to_de
     assert ["cpu-allocator"] in result["variants"]
     assert result["error"] is None and result["win"], result["speedup"]
     assert result["verdict"] == "identical"
+    assert result["kept_unsettled"] == ["cpu-allocator"]
+    assert result["after_settled"] == []
+    [dropped] = result["dropped"]
+    assert (
+        "the fix measured 1.00x, 0.99x-1.01x over 12 rounds (no clear change)"
+        in (dropped["reason"])
+    )
     # applied: blocks up to 32 MiB come from the heap; undone: glibc's 128 KiB default again
     assert result["mapped_applied"] is False and result["mapped_undone"] is True
 

@@ -58,7 +58,7 @@ def test_findings_are_on_screen_before_any_number_then_numbers_then_the_complete
     kernel: Any, flags: str
 ) -> None:
     kernel.execute_interactive(LONG_SETUP, timeout=120)
-    cell_id = kernel.execute(f"%%perfcheck --budget 4 {flags}\n{PRINTING_CELL}")
+    cell_id = kernel.execute(f"%%perfcheck --budget 8 {flags}\n{PRINTING_CELL}")
     messages = collect_until_idle(kernel, cell_id)
     assert not [m for m in messages if m["msg_type"] == "error"]
 

@@ -65,8 +65,10 @@ def test_inference_cell_gets_no_grad_and_trained_one_not(ip):
 def test_plain_zero_grad_and_inference_mode_decorator_are_not_flagged(ip):
     ip.run_cell(TRAIN_SETUP)
     ip.run_cell("@torch.inference_mode()\ndef evaluate(batch):\n    return model(batch)\n")
+    # the process-wide checks (torch's threads, glibc's heap) read the machine, not this
+    # code: on a busy machine cpu-threads rightly speaks
     report = ip.run_cell(
-        "%%perfcheck -o --budget 1\n"
+        "%%perfcheck -o --budget 1 --skip cpu-threads,cpu-allocator\n"
         "for step in range(4):\n"
         "    opt.zero_grad()\n"
         "    torch.nn.functional.mse_loss(model(X), Y).backward()\n"

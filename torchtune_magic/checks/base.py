@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..engine.fixes import Fix
 from ..engine.history import CallEdit
-from ..report import Finding
+from ..report import Finding, Variant
 
 if TYPE_CHECKING:
     from ..engine.probe import Observation
@@ -41,6 +41,22 @@ class Check:
     # When the evidence counts as mattering for this cell, with the measurement the
     # threshold came from (shown in the README's check table); "" where any occurrence does.
     threshold: ClassVar[str] = ""
+    # Evidence that only suggests a cost (page faults priced at a per-fault cost measured
+    # apart): the finding stands only if its fix then measurably wins the time back; a
+    # fix measured slower, or settled within the no-change band, moves it to "not
+    # applicable here" with the measurement as the reason (`without_win`).
+    needs_measured_win: ClassVar[bool] = False
+
+    def without_win(self, variant: Variant) -> str:
+        """Why the finding was dropped: its fix measured no win (`needs_measured_win`)."""
+        rounds = f" over {variant.rounds} rounds" if variant.rounds else ""
+        interval = ""
+        if variant.speedup_low is not None and variant.speedup_high is not None:
+            interval = f", {variant.speedup_low:.2f}x-{variant.speedup_high:.2f}x"
+        return (
+            f"its evidence was seen, but the fix measured {variant.speedup:.2f}x"
+            f"{interval}{rounds} ({variant.verdict}): no time to win back here"
+        )
 
     def not_applicable(self, obs: Observation) -> str | None:
         """Why this check cannot apply to this run, or None."""

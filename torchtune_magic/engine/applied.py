@@ -96,6 +96,14 @@ def recommended(fixable: list[str], variants: list[Variant]) -> list[str]:
     return chosen
 
 
+def settled_without_win(variant: Variant) -> bool:
+    """Measured, and no win to have: slower, or "no clear change" with an interval settled
+    within the band (no `--budget` would tell more). Unsettled or failed: not known."""
+    if variant.error or variant.speedup is None or variant.verdict is None:
+        return False
+    return variant.is_slower or (not variant.is_win and not variant.budget_to_tell_s)
+
+
 def requested(apply: list[str], fixable: list[str], variants: list[Variant]) -> list[str]:
     """`--apply IDS|all|wins`, as fix ids found in this cell: ids as named, `all` the
     recommended fixes, `wins` the clear wins with identical results."""
