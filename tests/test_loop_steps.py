@@ -119,6 +119,16 @@ def test_a_probe_stopped_at_its_first_chance_still_takes_the_training_loop_for_t
     assert count.total == 41, count
 
 
+def test_the_profiler_covers_a_few_dozen_steps_of_a_loop_of_small_ops_not_seconds_of_them():
+    # every profiled op is paid for when the profiler stops and its events are read back:
+    # a raw-tensor loop profiled for seconds made the probe take 9 s of a 3 s bound
+    ns = _namespace(max_steps=200000, stop_at=400)
+    obs = probe.run(Workload(textwrap.dedent(TRAIN), ns), "cpu", profile_for_s=60.0)
+    assert not obs.stopped_early and obs.leading_step().count == 401
+    assert obs.profiled_s is not None and obs.profiled_s < obs.wall_s / 2
+    assert obs.ops, "the op stream of the profiled steps is there for the checks"
+
+
 @pytest.mark.parametrize(
     ("cell", "total"),
     [

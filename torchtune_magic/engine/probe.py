@@ -44,6 +44,11 @@ SYNC_METHODS = (
 PROFILER_NAMES = frozenset({"profile", "profiler", "emit_nvtx", "emit_itt", "record_function"})
 PROBE_MIN_STEPS = 3  # a probe stopped early has seen at least this many steps (zeroed grads
 # show from the second backward on, a loader's wait needs a few batches)
+# Our profiler stops once the cell's step has ended this many (or after `profile_for_s`):
+# op shares need a few dozen steps, and every profiled op is paid for when the profiler
+# stops and its events are read back (a raw-tensor loop of ~2 ms steps profiled for 1.5 s,
+# ~330 steps: 8.4 s of the 9 s probe; 50 steps: about a sixth of that)
+PROFILED_STEPS_MOST = 50
 # in order of preference as the step; an "iteration" is one of the cell's own loops
 # (`engine/loops`), for cells with no loader, optimizer or module to mark their steps
 STEP_UNITS = ("batch", "optimizer step", "forward", "iteration")
@@ -330,7 +335,7 @@ class _Recorder:
         if (
             self.stop_profiler is not None
             and self.profile_for_s is not None
-            and elapsed >= self.profile_for_s
+            and (elapsed >= self.profile_for_s or ended >= PROFILED_STEPS_MOST)
             and self.obs.leading_step() is trace
         ):
             self.profiling_done(elapsed)
@@ -778,8 +783,8 @@ def run(
     """Run the cell once under instrumentation; with `stop_after_s`, a cell still running
     then stops at its next step boundary (once it has taken PROBE_MIN_STEPS steps) and
     `stopped_early` says so; with `profile_for_s`, our profiler stops likewise after that
-    long and the hooks go on (`profiled_s`). The user's exception propagates as
-    CellError."""
+    long or PROFILED_STEPS_MOST steps and the hooks go on (`profiled_s`). The user's
+    exception propagates as CellError."""
     __tracebackhide__ = True
     obs = Observation(workload, device=device)
     obs.found = discovery.walk(workload.namespace)
