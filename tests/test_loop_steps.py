@@ -125,8 +125,10 @@ def test_the_profiler_covers_a_few_dozen_steps_of_a_loop_of_small_ops_not_second
     ns = _namespace(max_steps=200000, stop_at=400)
     obs = probe.run(Workload(textwrap.dedent(TRAIN), ns), "cpu", profile_for_s=60.0)
     assert not obs.stopped_early and obs.leading_step().count == 401
-    assert obs.profiled_s is not None and obs.profiled_s < obs.wall_s / 2
-    assert obs.ops, "the op stream of the profiled steps is there for the checks"
+    assert obs.profiled_s is not None  # our profiler stopped before the cell ended
+    # one tanh a step: the op stream holds the profiled steps' ops, not the cell's 401
+    tanhs = sum(op.name == "aten::tanh" for op in obs.ops or [])
+    assert probe.PROFILED_STEPS_MOST - 1 <= tanhs <= probe.PROFILED_STEPS_MOST + 1, tanhs
 
 
 @pytest.mark.parametrize(

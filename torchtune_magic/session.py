@@ -459,32 +459,12 @@ class Session:
         for variant in [baseline, *variants]:
             variant.measured_at = measured_at
         self._history.extend(variants)
-        self._drop_findings_without_win(variants)
+        self.detections, fallen = registry.without_win(self.detections, variants, self.applied_ids)
+        self.not_applicable.extend(fallen)
         # a re-time after the cell's complete run is done; the first measurement is not
         phase = "done" if self.cell_run is not None else "measuring"
         self.publish(self._build_report(baseline, deadline=deadline, phase=phase))
         return self.report  # type: ignore[return-value]  # set by publish
-
-    def _drop_findings_without_win(self, variants: list[Variant]) -> None:
-        """A finding whose check stands only on a measured win (`needs_measured_win`) and
-        whose fix, not applied, measured none moves to "not applicable here", with the
-        measurement as its reason."""
-        measured = {tuple(v.fixes): v for v in variants}
-        needing = {c.id: c for c in registry.all_checks() if c.needs_measured_win}
-        kept = []
-        for detection in self.detections:
-            check_id = detection.finding.id
-            check, variant = needing.get(check_id), measured.get((check_id,))
-            if (
-                check is not None
-                and variant is not None
-                and check_id not in self.applied_ids
-                and applied.settled_without_win(variant)
-            ):
-                self.not_applicable.append(NotApplicable(check_id, check.without_win(variant)))
-            else:
-                kept.append(detection)
-        self.detections = kept
 
     @property
     def runs(self) -> Runs:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from functools import cache
 
-from .base import Check
+from ..engine.applied import settled_without_win
+from ..report import NotApplicable, Variant
+from .base import Check, Detection
 
 
 @cache
@@ -58,3 +60,27 @@ def get(check_id: str) -> Check:
         if check.id == check_id:
             return check
     raise KeyError(check_id)
+
+
+def without_win(
+    detections: list[Detection], variants: list[Variant], applied: list[str]
+) -> tuple[list[Detection], list[NotApplicable]]:
+    """The detections that stand, and those that fall as "not applicable here": a finding
+    whose check stands only on a measured win (`Check.needs_measured_win`) and whose fix,
+    not applied, measured none (`settled_without_win`), with the measurement as reason."""
+    measured = {tuple(v.fixes): v for v in variants}
+    needing = {c.id: c for c in all_checks() if c.needs_measured_win}
+    kept, fallen = [], []
+    for detection in detections:
+        check_id = detection.finding.id
+        check, variant = needing.get(check_id), measured.get((check_id,))
+        if (
+            check is not None
+            and variant is not None
+            and check_id not in applied
+            and settled_without_win(variant)
+        ):
+            fallen.append(NotApplicable(check_id, check.without_win(variant)))
+        else:
+            kept.append(detection)
+    return kept, fallen

@@ -152,11 +152,13 @@ def paired_rounds(
 ) -> Rounds:
     """Time the configurations in rounds (the order rotating from round to round) until
     every fix's speedup is settled (`verdict.Speedup.settled`) or the next round would end
-    past the deadline. A fix whose speedup settled drops out of later rounds, so the budget
-    goes to those still undecided; the baseline runs in every round. `begun` holds rounds
-    already taken (a sampled measurement's first runs) and the runs' wall times so far. No
-    round starts that its predicted length (each configuration's median wall time so far,
-    the baseline's for one not yet seen) does not leave room for."""
+    past the deadline; with no fix, `min_rounds` rounds of the baseline (a cell with
+    nothing to compare waits no longer than its figures need). A fix whose speedup
+    settled drops out of later rounds, so the budget goes to those still undecided; the
+    baseline runs in every round. `begun` holds rounds already taken (a sampled
+    measurement's first runs) and the runs' wall times so far. No round starts that its
+    predicted length (each configuration's median wall time so far, the baseline's for one
+    not yet seen) does not leave room for."""
     wanted = min_rounds if min_rounds is not None else verdict.min_rounds()
     result = begun if begun is not None else Rounds(baseline)
     variants = [label for label in runners if label != baseline]
@@ -165,7 +167,7 @@ def paired_rounds(
         active = [
             label for label in variants if index < wanted or not _settled(result.speedup(label))
         ]
-        if variants and not active:
+        if not active and (variants or index >= wanted):  # no fix: `wanted` rounds
             break
         labels = [baseline, *active]
         base_wall = _typical(result.walls.get(baseline, []))
