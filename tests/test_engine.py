@@ -70,7 +70,8 @@ def test_training_cell_leaves_state_as_one_plain_run():
 
 def test_report_json_validates_against_the_shipped_schema(tmp_path: Path):
     path = tmp_path / "out" / "report.json"
-    report = perfcheck(TRAIN_CELL, namespace_with(), budget=2, json=path, skip=LOAD_DEPENDENT)
+    # 4 s: ten paired rounds of both fixes fit with another process busy on this 2-core box
+    report = perfcheck(TRAIN_CELL, namespace_with(), budget=4, json=path, skip=LOAD_DEPENDENT)
     data = json.loads(path.read_text())
     jsonschema.validate(data, load_schema())
     assert data["schema"] == "torchtune-magic/report/v1"
@@ -78,7 +79,8 @@ def test_report_json_validates_against_the_shipped_schema(tmp_path: Path):
     ids = {tuple(v["fixes"]) for v in data["variants"]}
     assert ("debug-anomaly",) in ids and ("zero-grad-none",) in ids
     recommended = sorted(data.get("recommended", []))
-    assert "debug-anomaly" in recommended  # anomaly mode off: a clear win, results the same
+    # anomaly mode off: a clear win, results the same
+    assert "debug-anomaly" in recommended, (data["variants"], data.get("warnings"))
     for fixes in ids:  # the fixes together are the recommended ones, never a loser among them
         assert len(fixes) == 1 or sorted(fixes) == recommended
     for variant in data["variants"]:

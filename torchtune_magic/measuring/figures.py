@@ -23,8 +23,11 @@ if TYPE_CHECKING:
     from .run import Config, RunTime
 
 # page faults the baseline's runs did not all pay, worth more than this share of a run:
-# the allocator's state changed under the measurement (said in the report)
+# the allocator's state changed under the measurement (said in the report) — and worth at
+# least ALLOCATOR_DRIFT_FLOOR_S: on a run of a few ms, 5 % is a few dozen faults, which a
+# busy machine's scheduling moves as much as the allocator does
 ALLOCATOR_DRIFT_SHARE = 0.05
+ALLOCATOR_DRIFT_FLOOR_S = 1e-3
 
 
 def fill(variant: Variant, measurement: timing.Measurement) -> None:
@@ -162,16 +165,16 @@ def add_throughput(
 
 def allocator_drift(configs: list[Config], runs: list[RunTime]) -> str | None:
     """What to say when page faults moved the baseline's times by more than
-    ALLOCATOR_DRIFT_SHARE of a run. Either its first timed run paid for faults the later
-    ones did not — glibc raises its mmap threshold when a mapped block is freed, so a
-    kernel's first runs of the cell are slower than the runs measured here — or its runs
-    faulted unevenly: where a cell's large tensors fall on glibc's heap decides whether
-    their memory goes back to the OS and is faulted in again, and a cell freeing 16 MiB
-    activations was seen to take 4k-90k faults a run (113-217 ms) in a plain Python
-    loop, with nothing else running. Then its time, and any speedup, moves that much
-    from run to run in a kernel too. Not said when a measured fix set the thresholds
-    itself (cpu-allocator): the change would be ours, and that finding's caveat says
-    what its undo leaves."""
+    ALLOCATOR_DRIFT_SHARE of a run (and more than ALLOCATOR_DRIFT_FLOOR_S). Either its
+    first timed run paid for faults the later ones did not — glibc raises its mmap
+    threshold when a mapped block is freed, so a kernel's first runs of the cell are
+    slower than the runs measured here — or its runs faulted unevenly: where a cell's
+    large tensors fall on glibc's heap decides whether their memory goes back to the OS
+    and is faulted in again, and a cell freeing 16 MiB activations was seen to take
+    4k-90k faults a run (113-217 ms) in a plain Python loop, with nothing else running.
+    Then its time, and any speedup, moves that much from run to run in a kernel too. Not
+    said when a measured fix set the thresholds itself (cpu-allocator): the change would
+    be ours, and that finding's caveat says what its undo leaves."""
     if len(runs) < 3 or any(fix.sets_allocator for c in configs for fix in c.fixes):
         return None
     first, later = runs[0], runs[1:]
@@ -179,8 +182,9 @@ def allocator_drift(configs: list[Config], runs: list[RunTime]) -> str | None:
     fault_s = allocator.fault_cost_s()
     if run_s <= 0:
         return None
+    least_s = max(ALLOCATOR_DRIFT_SHARE * run_s, ALLOCATOR_DRIFT_FLOOR_S)
     most = max(run.faults for run in later)
-    if (first.faults - most) * fault_s >= ALLOCATOR_DRIFT_SHARE * run_s:
+    if (first.faults - most) * fault_s >= least_s:
         steady = statistics.median(run.faults for run in later)
         return (
             f"glibc's allocator changed state while measuring: the baseline's first timed "
@@ -191,7 +195,7 @@ def allocator_drift(configs: list[Config], runs: list[RunTime]) -> str | None:
             "baseline (cpu-allocator measures fixing that)"
         )
     low, high = min(run.faults for run in runs), max(run.faults for run in runs)
-    if (high - low) * fault_s >= ALLOCATOR_DRIFT_SHARE * run_s:
+    if (high - low) * fault_s >= least_s:
         return (
             f"glibc's allocator served this cell unevenly: its runs took {low:,} to "
             f"{high:,} page faults (≈{(high - low) * fault_s * 1e3:.1f} ms apart, of a "
