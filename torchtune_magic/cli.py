@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,11 +28,21 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launched_rank() -> int | None:
+    """This process's rank where torchrun launched it (its kernel inherits the rank's
+    environment, so the notebook's own `init_process_group()` joins the job)."""
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and os.environ.get("WORLD_SIZE") else None
+
+
 def _run(args: argparse.Namespace) -> int:
     from . import runner
     from .render import text
 
     notebook = Path(args.notebook)
+    rank = _launched_rank()
+    if rank:  # under torchrun, rank 0 prints and writes the reports; the others say a line
+        return _run_other_rank(notebook, args, rank)
     print(f"running {notebook} (kernel {args.kernel}, timeout {args.timeout:g} s per cell)…")
     try:
         result = runner.run_notebook(
@@ -62,6 +73,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"HTML reports written to {path}")
     if args.output:
         print(f"executed notebook written to {args.output}")
+    return 0
+
+
+def _run_other_rank(notebook: Path, args: argparse.Namespace, rank: int) -> int:
+    from . import runner
+
+    try:
+        result = runner.run_notebook(notebook, timeout=args.timeout, kernel_name=args.kernel)
+    except runner.RunError as error:
+        print(f"rank {rank}: error: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"rank {rank}: ran {notebook} in {result.seconds:.1f} s; "
+        f"{len(result.reports)} %%perfcheck report(s), written by rank 0"
+    )
     return 0
 
 

@@ -213,6 +213,28 @@ class MachineLoad:
 
 
 @dataclass
+class RankTime:
+    """One rank's own baseline time (per step when sampled), before the ranks agreed on the
+    slowest: where the ranks differ, the faster ones waited for the slowest."""
+
+    rank: int
+    host: str
+    baseline_s: float | None
+
+
+@dataclass
+class Distributed:
+    """The torchrun job the cell was measured in: every time in the report is the slowest
+    rank's (a distributed step ends when its slowest rank's does); `ranks` has each rank's
+    own."""
+
+    world_size: int
+    backend: str
+    nodes: int
+    ranks: list[RankTime] = field(default_factory=list)
+
+
+@dataclass
 class NotApplicable:
     id: str
     reason: str
@@ -292,6 +314,7 @@ class Report:
     # the combined row, `--apply all`, the code changes and Apply to notebook carry
     recommended: list[str] | None = None
     load: MachineLoad | None = None  # other processes' CPU time while measuring
+    distributed: Distributed | None = None  # measured under torchrun, over these ranks
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -323,7 +346,8 @@ class Report:
             for key in (*THROUGHPUT_FIELDS, *OPTIONAL_MEASUREMENT_FIELDS):
                 if stats.get(key, 0) is None:
                     del stats[key]  # optional: reports without them read as before
-        for key in ("sampling", "cell_run", "oom", "notebook_edits", "recommended", "load"):
+        optional = ("sampling", "cell_run", "oom", "notebook_edits", "recommended", "load")
+        for key in (*optional, "distributed"):
             if data[key] is None:
                 del data[key]
         for finding in data["findings"]:
@@ -384,6 +408,7 @@ class Report:
             ),
             recommended=data.get("recommended"),
             load=MachineLoad(**data["load"]) if data.get("load") else None,
+            distributed=_distributed(data.get("distributed")),
         )
 
     def __repr__(self) -> str:
@@ -392,3 +417,10 @@ class Report:
         best = max(measured, key=lambda v: v.speedup or 0.0, default=None)
         tail = f", best {best.speedup:.2f}x ({'+'.join(best.fixes)})" if best else ""
         return f"<Report: {len(self.findings)} findings{tail}>"
+
+
+def _distributed(data: dict[str, Any] | None) -> Distributed | None:
+    if not data:
+        return None
+    ranks = [RankTime(**r) for r in data.get("ranks", [])]
+    return Distributed(**{**data, "ranks": ranks})

@@ -33,6 +33,7 @@ from .engine import (
     discovery,
     fixes,
     history,
+    lockstep,
     oom,
     plain_stack,
     probe,
@@ -53,6 +54,7 @@ from .measuring.runs import Hooks, Runs
 from .options import Options
 from .report import (
     CellRun,
+    Distributed,
     NotApplicable,
     NotebookEdits,
     OutOfMemory,
@@ -91,6 +93,9 @@ class Session:
         self.progress = progress
         self.on_report = on_report
         self.run_id = uuid.uuid4().hex[:12]
+        # under torchrun, the job's ranks: each decision that shapes measuring is agreed
+        # with them (`engine/lockstep.py`) while this session probes and measures
+        self.ranks = lockstep.joined()
         self.observation: probe.Observation | None = None
         self.detections: list[Detection] = []
         self.not_applicable: list[NotApplicable] = []
@@ -128,7 +133,19 @@ class Session:
         cell's complete run. The cell's own exception propagates (as CellError); Ctrl-C
         propagates after the report says where it stopped."""
         __tracebackhide__ = True
-        self.probe()
+        with lockstep.active(self.ranks):
+            self.probe()
+        if self.ranks is None and lockstep.launched_by_torchrun():
+            # the cell joined the job itself (Lightning's `fit` initialises the process
+            # group): the ranks agree from here on
+            self.ranks = lockstep.joined()
+        with lockstep.active(self.ranks):
+            if self.ranks is not None and self.observation is not None:
+                self._probe_figures_agreed(self.observation)
+            return self._after_probe()
+
+    def _after_probe(self) -> Report:
+        __tracebackhide__ = True
         self._deadline = timing.Deadline(self.options.budget)
         self.detect()
         if self._out_of_memory is not None:  # a report on what happened, then the traceback
@@ -188,6 +205,8 @@ class Session:
             # a generator, iterator or file the cell could advance: if it does, no restore
             # puts it back, and the probe must then be the cell's one complete run
             stop_after = None
+        if self.ranks is None and lockstep.launched_by_torchrun():
+            stop_after = None  # no process group yet for the ranks to agree where to stop
         failed: CellError | None = None
         with captured() as printed:
             try:
@@ -247,6 +266,19 @@ class Session:
             self.step_count = steps.count_steps(obs, self.step_trace)
         return obs
 
+    def _probe_figures_agreed(self, obs: probe.Observation) -> None:
+        """Under torchrun, the probe's times as its slowest rank took them, and a change no
+        restore puts back on any rank holds every rank to the one run (the figures the
+        measuring plan and the first runs' guesses are made from)."""
+        trace = self.step_trace
+        first_s, last_s = (trace.first_s, trace.last_s) if trace is not None else (None, None)
+        wall_s, first_s, last_s = lockstep.slowest_of([obs.wall_s, first_s, last_s])
+        obs.wall_s = wall_s if wall_s is not None else obs.wall_s
+        if trace is not None:
+            trace.first_s, trace.last_s = first_s, last_s
+        if lockstep.any_rank(bool(self._one_way)) and not self._one_way:
+            self._one_way = ["another rank's run changed what no restore puts back"]
+
     def detect(self) -> list[Detection]:
         """Run every check wanted on the probe's observation. Their trials (worker counts,
         thread counts, plain runs) share TRIALS_SHARE of the budget: they come out of it."""
@@ -258,12 +290,30 @@ class Session:
             if not self.options.wants(check.id):
                 continue
             reason = check.not_applicable(obs)
+            if reason is None and self.ranks is not None:
+                reason = check.not_applicable_under_torchrun()
             if reason is not None:
                 self.not_applicable.append(NotApplicable(check.id, reason))
                 continue
             self.detections.extend(check.detect(obs))
+        if self.ranks is not None:
+            self.detections = self._found_on_every_rank(self.detections)
         cellchanges.attach_cell_changes(self.workload, self.detections)
         return self.detections
+
+    def _found_on_every_rank(self, detections: list[Detection]) -> list[Detection]:
+        """Under torchrun, the findings every rank made (each rank's fix is applied on
+        that rank, all together); one seen on some ranks only is said, not measured."""
+        seen = lockstep.gathered([d.finding.id for d in detections])
+        everywhere = set.intersection(*(set(ids) for ids in seen))
+        for finding_id in dict.fromkeys(i for ids in seen for i in ids):
+            if finding_id not in everywhere:
+                ranks = ", ".join(str(r) for r, ids in enumerate(seen) if finding_id in ids)
+                self.warnings.append(
+                    f"{finding_id}: found on rank(s) {ranks} only, so it is not measured "
+                    "(a fix must run on every rank, as the cell's collectives do)"
+                )
+        return [d for d in detections if d.finding.id in everywhere]
 
     def finish(self) -> None:
         """The cell's one complete run, after the report is out, unless the probe already
@@ -438,21 +488,28 @@ class Session:
         fixes are lifted for the duration and put back after. Earlier measurements stay in
         the report; each variant says when it was taken and against which baseline."""
         __tracebackhide__ = True
+        with lockstep.active(self.ranks):
+            return self._measure(fix_sets, budget_s)
+
+    def _measure(self, fix_sets: list[list[str]] | None, budget_s: float | None) -> Report:
+        __tracebackhide__ = True
         deadline = self._measuring_deadline(budget_s)
         if self._one_way:  # a run more would change what the user sees: none is made
             self.publish(self._build_report(deadline=deadline, phase="measuring"))
             return self.report  # type: ignore[return-value]  # set by publish
         runs = self.runs
         with self.applied_fixes.lifted(self.warnings), self._state_kept(), runs.load_watched():
-            plan = plans.make(
-                self._observed(),
-                self.options,
-                self.step_trace,
-                self.step_count,
-                self.fixable,
-                fix_sets,
-                deadline,
-                runs.plan,
+            plan = plans.agreed(
+                plans.make(
+                    self._observed(),
+                    self.options,
+                    self.step_trace,
+                    self.step_count,
+                    self.fixable,
+                    fix_sets,
+                    deadline,
+                    runs.plan,
+                )
             )
             variants, baseline = runs.measure(plan)
         measured_at = figures.now()
@@ -530,10 +587,18 @@ class Session:
         or interrupted) also goes to `--json`."""
         self.report = report
         self._published_at = time.perf_counter()
-        if self.options.json and report.phase in ("done", "interrupted"):
+        first_rank = self.ranks is None or self.ranks.first
+        if self.options.json and first_rank and report.phase in ("done", "interrupted"):
             report.write_json(self.options.json)
         if self.on_report is not None:
             self.on_report(report)
+
+    def _distributed(self, runs: Runs | None) -> Distributed | None:
+        ranks = self.ranks
+        if ranks is None:
+            return None
+        rank_times = (runs.rank_times if runs is not None else None) or []
+        return Distributed(ranks.world, ranks.backend, ranks.nodes, rank_times)
 
     def _partial_due(self) -> bool:
         """Partial reports go to the front end at most every PUBLISH_EVERY_S."""
@@ -600,6 +665,7 @@ class Session:
             notebook_edits=self.notebook_edits(),
             recommended=self.recommended(variants) if phase != "measuring" else None,
             load=runs.load if runs is not None else None,
+            distributed=self._distributed(runs),
         )
 
     def _observed(self) -> probe.Observation:

@@ -96,6 +96,7 @@ class AllocatorCheck(Check):
     title = "Freed tensor memory goes back to the OS and is faulted in again every step"
     guide = "Switch Memory allocator"
     devices = ("cpu",)
+    trial_runs_cell_on_own_clock = True  # the two plain runs (`plain_sample`)
     # the faults' cost is an estimate (count x a per-fault cost measured apart), and how
     # glibc's heap falls changes from one kernel's history to the next: the fix decides
     needs_measured_win = True

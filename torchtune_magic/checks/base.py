@@ -46,6 +46,10 @@ class Check:
     # fix measured slower, or settled within the no-change band, moves it to "not
     # applicable here" with the measurement as the reason (`without_win`).
     needs_measured_win: ClassVar[bool] = False
+    # Its trial runs the cell for a time each process measures on its own clock: under
+    # torchrun the ranks would issue the cell's collectives in runs of different lengths,
+    # so it is not run there (`not_applicable_under_torchrun`).
+    trial_runs_cell_on_own_clock: ClassVar[bool] = False
 
     def without_win(self, variant: Variant) -> str:
         """Why the finding was dropped: its fix measured no win (`needs_measured_win`)."""
@@ -65,6 +69,15 @@ class Check:
         where = " or ".join(_WORK_ON[device] for device in self.devices)
         device = DEVICE_NAMES.get(obs.device, obs.device)
         return f"not applicable on {device}: this only matters for work on {where}"
+
+    def not_applicable_under_torchrun(self) -> str | None:
+        """Why this check is not run on the ranks of a torchrun job, or None."""
+        if not self.trial_runs_cell_on_own_clock:
+            return None
+        return (
+            "not checked under torchrun: its trial runs the cell for a time each rank "
+            "measures on its own clock, so the ranks' collectives would fall out of step"
+        )
 
     @classmethod
     def devices_text(cls) -> str:

@@ -18,6 +18,7 @@ def all_checks() -> tuple[Check, ...]:
         conv_bn,
         cuda,
         debug,
+        distributed,
         fusion,
         loader,
         memory_format,
@@ -48,6 +49,8 @@ def all_checks() -> tuple[Check, ...]:
         cuda.TensorOnDeviceCheck(),
         threads.ThreadsCheck(),
         allocator.AllocatorCheck(),
+        distributed.DdpNoSyncCheck(),
+        distributed.DistributedSamplerCheck(),
     )
 
 

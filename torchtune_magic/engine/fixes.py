@@ -222,6 +222,10 @@ class Fix:
     # With the fix applied, what the cell costs no longer follows the Python stack it runs
     # under (anomaly detection off): its runs need not execute under the plain cell's stack.
     ends_stack_cost: ClassVar[bool] = False
+    # The share of the cell's steps that still run with the fix (a DistributedSampler
+    # leaves each rank 1/N of every epoch): a sampled cell's whole time is projected from
+    # the per-step time over that many steps.
+    steps_share: float = 1.0
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None

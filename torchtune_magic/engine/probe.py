@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import sys
 import time
 import weakref
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import allocator, discovery, graphs, load, loops, memory
+from . import allocator, discovery, graphs, load, lockstep, loops, memory
 from .fixes import Patcher
 from .steps import StepLimitReached
 from .workload import CellError, Workload, synchronize
@@ -52,6 +54,23 @@ PROFILED_STEPS_MOST = 50
 # in order of preference as the step; an "iteration" is one of the cell's own loops
 # (`engine/loops`), for cells with no loader, optimizer or module to mark their steps
 STEP_UNITS = ("batch", "optimizer step", "forward", "iteration")
+
+
+@dataclass
+class SyncedForwards:
+    """A DistributedDataParallel model's forwards with autograd recording, by optimizer
+    step: whether each would all-reduce its gradients in the backward that follows (DDP
+    decides at forward time, from `require_backward_grad_sync`, which `no_sync()` clears)."""
+
+    module: torch.nn.Module
+    steps: list[list[bool]] = field(default_factory=list)  # closed by an optimizer step
+    open: list[bool] = field(default_factory=list)  # since the last optimizer step
+    lines: set[int] = field(default_factory=set)
+
+    def step_ended(self) -> None:
+        if self.open:
+            self.steps.append(self.open)
+            self.open = []
 
 
 @dataclass
@@ -170,6 +189,7 @@ class Observation:
     zeroed_grad_params: int = 0
     optimizer_steps: dict[int, tuple[torch.optim.Optimizer, int]] = field(default_factory=dict)
     loaders: dict[int, LoaderUse] = field(default_factory=dict)
+    ddp_forwards: dict[int, SyncedForwards] = field(default_factory=dict)  # by module id
     host_copies: list[HostCopy] = field(default_factory=list)
     # reads of tensor values by the host from the cell's own code (.item(), print(t), …);
     # kind = the call, detail = the tensor's device type
@@ -332,18 +352,16 @@ class _Recorder:
             trace.last_s = elapsed
         if ended < PROBE_MIN_STEPS:
             return
-        if (
-            self.stop_profiler is not None
-            and self.profile_for_s is not None
-            and (elapsed >= self.profile_for_s or ended >= PROFILED_STEPS_MOST)
-            and self.obs.leading_step() is trace
-        ):
+        profile_for_s = self.profile_for_s if self.stop_profiler is not None else None
+        if profile_for_s is None and self.stop_after_s is None:
+            return
+        if self.obs.leading_step() is not trace:
+            return
+        # under torchrun, the slowest rank's time: every rank stops at the same step
+        elapsed = lockstep.slowest(elapsed)
+        if profile_for_s is not None and (elapsed >= profile_for_s or ended >= PROFILED_STEPS_MOST):
             self.profiling_done(elapsed)
-        if (
-            self.stop_after_s is not None
-            and elapsed >= self.stop_after_s
-            and self.obs.leading_step() is trace
-        ):
+        if self.stop_after_s is not None and elapsed >= self.stop_after_s:
             self.obs.stopped_early = True
             raise StepLimitReached
 
@@ -384,6 +402,15 @@ class _Recorder:
         self.iterations[key] = begun + 1
 
     # module hooks -------------------------------------------------------------------------
+    def ddp_forward(self, module: DistributedDataParallel) -> None:
+        synced = self.obs.ddp_forwards.get(id(module))
+        if synced is None:
+            synced = self.obs.ddp_forwards[id(module)] = SyncedForwards(module)
+        synced.open.append(bool(module.require_backward_grad_sync))
+        line = self.line()
+        if line is not None:
+            synced.lines.add(line)
+
     def forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         use = self.obs.modules.get(id(module))
         if use is None:
@@ -391,6 +418,8 @@ class _Recorder:
         use.calls += 1
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             use.grad_calls += 1
+            if isinstance(module, DistributedDataParallel):
+                self.ddp_forward(module)
         if self.depth == 0:
             self.step_boundary("forward", module, use.outer_calls)
             use.outer_calls += 1
@@ -502,11 +531,16 @@ class _Recorder:
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Post-step hook: an optimizer step ends a step of that unit."""
+        for synced in self.obs.ddp_forwards.values():
+            synced.step_ended()
         _, count = self.obs.optimizer_steps[id(optimizer)]
         self.step_line("optimizer step", optimizer)
         self.step_boundary("optimizer step", optimizer, count)
 
     def loader_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        # wraps: Lightning reads DataLoader.__init__'s signature to rebuild a loader with a
+        # DistributedSampler, and must see the original's parameters, not this wrapper's
+        @functools.wraps(original)
         def recorded_init(loader: DataLoader, *args: Any, **kwargs: Any) -> None:
             self.built_loaders[id(loader)] = self.line()
             original(loader, *args, **kwargs)

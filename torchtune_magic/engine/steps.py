@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import frameworks, loops
+from . import frameworks, lockstep, loops
 from .fixes import Patcher
 from .workload import synchronize
 
@@ -233,7 +233,7 @@ class StepCounter:
             synchronize()
             times.stop_s = time.perf_counter() - times.started
             raise StepLimitReached
-        if self.give_up_at is not None and time.perf_counter() > self.give_up_at:
+        if self.give_up_at is not None and lockstep.any_rank(time.perf_counter() > self.give_up_at):
             times.gave_up = True  # the budget's deadline passed: this run is not finished
             raise StepLimitReached
 

@@ -19,7 +19,7 @@ from torch.utils.benchmark import Measurement as _BenchMeasurement
 from torch.utils.benchmark.utils.common import TaskSpec
 
 from ..report import is_noisy
-from . import verdict
+from . import lockstep, verdict
 from .verdict import Speedup
 
 Progress = Callable[[float, str], None]  # (fraction done 0..1, message)
@@ -100,8 +100,9 @@ class Deadline:
         return max(0.0, self.seconds - self.spent)
 
     def allows(self, seconds: float) -> bool:
-        """Whether something taking `seconds` would end before the deadline."""
-        return seconds <= self.left()
+        """Whether something taking `seconds` would end before the deadline; under torchrun,
+        on every rank (what starts must start on all of them: `engine/lockstep.py`)."""
+        return not lockstep.any_rank(seconds > self.left())
 
 
 @dataclass
@@ -192,7 +193,8 @@ def paired_rounds(
                 result.rounds.pop()
                 result.seconds += time.perf_counter() - started
                 return result
-            result.walls.setdefault(label, []).append(time.perf_counter() - begun_at)
+            wall = lockstep.slowest(time.perf_counter() - begun_at)
+            result.walls.setdefault(label, []).append(wall)
             if on_run is not None:
                 on_run(label, result.measurement(label))
     result.seconds += time.perf_counter() - started

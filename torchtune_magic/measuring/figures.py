@@ -117,9 +117,12 @@ def set_projections(
     later: dict[str, list[RunTime]],
     sampled: Sampled | None,
     total: int | None,
+    shares: dict[str, float] | None = None,
 ) -> None:
     """Sampled: the whole cell as one run of it would take (the first run's time to the
-    end of its warm-up steps, one-time costs included, then every later step). Where
+    end of its warm-up steps, one-time costs included, then every later step; `shares`:
+    the share of the cell's steps a configuration's fixes leave, a DistributedSampler's
+    1/N of each epoch). Where
     the per-step times count epoch restarts (one per epoch's batches), a restart's
     median over the runs sets the count right: the steps after W hold every epoch's
     start but the first, which is in the time to W. (Each run times one restart, a
@@ -131,7 +134,8 @@ def set_projections(
         first = firsts.get(label)
         if first is None or first.lead_s is None or variant.median_s is None:
             continue
-        projected = first.lead_s + remaining * variant.median_s
+        share = (shares or {}).get(label, 1.0)
+        projected = first.lead_s + remaining * share * variant.median_s
         runs = [first, *later.get(label, [])]
         restarts = [r.restart_s for r in runs if r.restart_s is not None]
         if sampled.per_epoch and restarts:
@@ -161,6 +165,13 @@ def add_throughput(
         variant.achieved_tflops = got.achieved_tflops
         variant.utilisation = got.utilisation
         variant.peak_tflops = got.peak_tflops
+
+
+def own_time(baseline_runs: list[RunTime]) -> float | None:
+    """This rank's median baseline time (per step when sampled) over the runs after the
+    first, which pays one-time costs (all of them when there is one)."""
+    own = [run.own_s for run in baseline_runs[1:] or baseline_runs if run.own_s is not None]
+    return statistics.median(own) if own else None
 
 
 def allocator_drift(configs: list[Config], runs: list[RunTime]) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..engine import steps, timing
+from ..engine import lockstep, steps, timing
 from ..options import Options
 
 if TYPE_CHECKING:
@@ -130,6 +130,13 @@ def make(
         return replace(plan, sampled=previous.sampled, calibrated=previous.calibrated)
     depth = _prefetch_depth(trace, fixable)
     return replace(plan, sampled=_sampled(obs, trace, count, depth, plan.planned, deadline.left()))
+
+
+def agreed(plan: MeasuringPlan) -> MeasuringPlan:
+    """Under torchrun, rank 0's plan, which every rank then carries out (the deadline
+    counted on each rank's own clock, from when its measurement started): the plan is
+    made from the probe's figures, which are each rank's own."""
+    return replace(lockstep.from_first(plan), deadline_start=plan.deadline_start)
 
 
 def label(fix_ids: tuple[str, ...] | list[str]) -> str:

@@ -6,11 +6,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import allocator, discovery, fixes, plain_stack, probe, state, steps, timing
+from ..engine import (
+    allocator,
+    discovery,
+    fixes,
+    lockstep,
+    plain_stack,
+    probe,
+    state,
+    steps,
+    timing,
+)
 from ..engine.workload import Workload, silenced
 
 
@@ -37,6 +47,24 @@ class RunTime:
     watched: Any = None  # what the run's `watched` context gave (a memory Profile, …)
     faults: int = 0  # minor page faults during the run
     restart_s: float | None = None  # an epoch restart's cost, where the timed steps held one
+    # this rank's own time (per step when sampled); the others are the slowest rank's
+    # under torchrun (`engine/lockstep.py`), this process's alone otherwise
+    own_s: float | None = None
+
+
+@contextmanager
+def _applied_on_every_rank(config: Config, namespace: dict[str, Any]) -> Iterator[None]:
+    """The config's fixes applied; under torchrun, on every rank or none: a fix that cannot
+    be applied on one rank (FixError there) stops the run on all of them before the cell
+    issues a collective (lockstep.RankFailed elsewhere)."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(fixes.applied(config.fixes, namespace))
+        except fixes.FixError:
+            lockstep.all_ok(False, f"{config.label}: its fix could not be applied there")
+            raise
+        lockstep.all_ok(True, f"{config.label}: its fix could not be applied there")
+        yield
 
 
 class Runner:
@@ -107,7 +135,7 @@ class Runner:
             )
         with (
             watched or nullcontext() as seen,
-            fixes.applied(config.fixes, namespace),
+            _applied_on_every_rank(config, namespace),
             fixes.combined_context(config.fixes, namespace, in_cell=False),
             silenced(),
             counter.counting() if counter else nullcontext() as times,
@@ -127,7 +155,7 @@ class Runner:
             if observe is not None:
                 observe()
         if times is None or plan is None:
-            return RunTime(seconds, watched=seen, faults=faults)
+            return RunTime(lockstep.slowest(seconds), watched=seen, faults=faults, own_s=seconds)
         per_epoch = plan.per_epoch if timed_run else None
         step_s = times.per_step(plan.warmup, per_epoch)
         if not times.stopped and times.lead_s is not None and times.count > plan.warmup:
@@ -137,7 +165,12 @@ class Runner:
                 "its per-step time includes what runs after the last step"
             )
         restart_s = times.restart(plan.warmup) if per_epoch else None
-        return RunTime(seconds, times.lead_s, step_s, seen, faults, restart_s)
+        # under torchrun a step ends when the slowest rank's does
+        agreed = lockstep.slowest_of([seconds, times.lead_s, step_s, restart_s])
+        total_s, lead_s, agreed_step_s, agreed_restart_s = agreed
+        assert total_s is not None
+        own_s = step_s if step_s is not None else seconds
+        return RunTime(total_s, lead_s, agreed_step_s, seen, faults, agreed_restart_s, own_s)
 
     def _measuring_stack(self, config: Config) -> plain_stack.PlainStack | None:
         """The stack a measuring run executes the cell under: the plain cell's where the

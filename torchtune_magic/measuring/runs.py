@@ -24,6 +24,7 @@ from ..engine import (
     discovery,
     fixes,
     load,
+    lockstep,
     memory,
     numerics,
     plain_stack,
@@ -36,7 +37,7 @@ from ..engine import (
 )
 from ..engine.workload import Workload
 from ..options import Options
-from ..report import MachineLoad, Variant
+from ..report import MachineLoad, RankTime, Variant
 from . import figures
 from . import plan as plans
 from .plan import BASELINE, PROBE_SLOWDOWN, MeasuringPlan
@@ -121,6 +122,8 @@ class Runs:
         # a fix meant to cut memory is measured: profiled runs cover all the timed steps
         self.profiled_whole_sample = False
         self.load: MachineLoad | None = None  # other processes' CPU time, last measurement
+        # under torchrun, each rank's own baseline time in the last measurement
+        self.rank_times: list[RankTime] | None = None
 
     @functools.cached_property
     def source(self) -> steps.StepSource | None:
@@ -188,6 +191,11 @@ class Runs:
         drift = figures.allocator_drift(measuring.configs, measuring.baseline_runs)
         if drift is not None:
             self.hooks.warn(drift)
+        ranks = lockstep.current()
+        if ranks is not None:
+            own = figures.own_time(measuring.baseline_runs)
+            hosts_and_times = lockstep.gathered((ranks.host, own))
+            self.rank_times = [RankTime(r, h, s) for r, (h, s) in enumerate(hosts_and_times)]
         return self._conclude(measuring, deadline)
 
     @property
@@ -239,7 +247,7 @@ class Runs:
                     started = time.perf_counter()
                 value = self._timed_run(measuring, config)
                 if not any(f.one_time_cause for f in config.fixes):  # what a round will take
-                    wall = time.perf_counter() - started
+                    wall = lockstep.slowest(time.perf_counter() - started)
                     measuring.rounds.walls.setdefault(label, []).append(wall)
                 measuring.runnable.append(config)
                 if self.sample is not None:  # sampled: the first run is timed like any
@@ -263,7 +271,7 @@ class Runs:
         left = budget_s
         if plan.sampled is not None and first.lead_s is not None and first.step_s is not None:
             left -= self._profiled_reserve(plan.planned, cutting, first)
-        self.plan = plans.calibrated(plan, total, first.lead_s, first.step_s, left)
+        self.plan = plans.agreed(plans.calibrated(plan, total, first.lead_s, first.step_s, left))
 
     @contextmanager
     def _out_of_time(
@@ -289,8 +297,12 @@ class Runs:
             yield
         except fixes.FixError as error:
             variant.error = f"the fix could not be applied: {error.reason}"
+        except lockstep.RankFailed as error:
+            variant.error = str(error)
         except Exception as error:
-            if config.label == BASELINE:
+            # under torchrun the other ranks may wait in the cell's collectives for this
+            # one: the error stops this rank, and torchrun the others
+            if config.label == BASELINE or lockstep.current() is not None:
                 raise
             variant.error = f"the cell raised with this fix: {figures.error_text(error)}"
 
@@ -344,6 +356,10 @@ class Runs:
         return Config(label, recommended)
 
     def _recommends(self, measuring: Measuring, config: Config) -> bool:
+        """Measured faster with results the same, on every rank (under torchrun)."""
+        return not lockstep.any_rank(not self._recommends_here(measuring, config))
+
+    def _recommends_here(self, measuring: Measuring, config: Config) -> bool:
         speedup = measuring.rounds.speedup(config.label)
         if speedup is None or speedup.verdict != verdict.FASTER:
             return False
@@ -420,7 +436,8 @@ class Runs:
             self.first_costs,
         )
         total = self.count.total if self.count else None
-        figures.set_projections(results, measuring.firsts, measuring.later, sampled, total)
+        shares = {c.label: math.prod(f.steps_share for f in c.fixes) for c in configs}
+        figures.set_projections(results, measuring.firsts, measuring.later, sampled, total, shares)
         base = results[BASELINE]
         figures.add_throughput(configs, results, self.flops, self.obs.device)
         speedups = []
@@ -480,7 +497,7 @@ class Runs:
         runs already differ."""
         changed = [v for v in results.values() if v.numerics.verdict == "changed"]
         outputs = measuring.outputs
-        if not changed or BASELINE not in outputs:
+        if not lockstep.any_rank(bool(changed) and BASELINE in outputs):
             return
         walls = measuring.rounds.walls.get(BASELINE) or [0.0]
         if not deadline.allows(statistics.median(walls)):
@@ -493,6 +510,8 @@ class Runs:
         try:
             self.one_run(baseline, capture, self._stop())
         except timing.OutOfTime:
+            return
+        if not changed or BASELINE not in outputs:  # the run was another rank's call
             return
         drift = numerics.compare(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
         if drift.verdict in ("identical", "not-compared"):

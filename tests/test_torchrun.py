@@ -1,0 +1,285 @@
+"""perfcheck under real torchrun (gloo, CPU, two processes): the ranks stay in lockstep,
+rank 0 writes the report, every rank's state ends as after one plain run, and a rank that
+fails stops the job instead of hanging it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from torchtune_magic.report import load_schema
+
+TESTS = Path(__file__).resolve().parent
+SCRIPT = TESTS / "ddp_script.py"
+HANG_LIMIT_S = 240  # a job that hangs fails the test this soon
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch built without torch.distributed"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _torchrun(launcher: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, str(SCRIPT), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=HANG_LIMIT_S, env=_env())
+
+
+def _one_node(*args: str) -> subprocess.CompletedProcess[str]:
+    return _torchrun(["--nproc-per-node", "2", "--master-port", str(_free_port())], *args)
+
+
+def _two_nodes(*args: str) -> list[subprocess.CompletedProcess[str]]:
+    """Two torchrun launches of one process each, meeting through c10d rendezvous: two
+    nodes as torchrun sees them, both on this machine."""
+    endpoint = f"localhost:{_free_port()}"
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        f"perfcheck-{os.getpid()}",
+        str(SCRIPT),
+        *args,
+    ]
+    nodes = [
+        subprocess.Popen(
+            launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        )
+        for _ in range(2)
+    ]
+    done = []
+    for node in nodes:
+        out, err = node.communicate(timeout=HANG_LIMIT_S)
+        done.append(subprocess.CompletedProcess(launcher, node.returncode, out, err))
+    return done
+
+
+def _state(out: Path, mode: str, rank: int) -> dict:
+    return torch.load(out / f"state-{mode}-{rank}.pt", weights_only=False)
+
+
+def _assert_equal(actual: object, expected: object, where: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
+        for key in expected:
+            _assert_equal(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _assert_equal(a, e, f"{where}[{index}]")
+    else:
+        assert actual == expected, where
+
+
+def _check_lockstep_run(out: Path) -> None:
+    """Rank 0's report, and each rank's state as after one plain run on that rank."""
+    data = json.loads((out / "report.json").read_text())
+    jsonschema.validate(data, load_schema())
+    distributed = data["distributed"]
+    assert distributed["world_size"] == 2 and distributed["backend"] == "gloo"
+    assert [r["rank"] for r in distributed["ranks"]] == [0, 1]
+    assert all(r["baseline_s"] and r["baseline_s"] > 0 for r in distributed["ranks"])
+    # a run ends when its slowest rank's does: the baseline is no faster than any rank's own
+    slowest = max(r["baseline_s"] for r in distributed["ranks"])
+    assert data["baseline"]["median_s"] >= 0.9 * slowest
+    assert data["baseline"]["runs"] >= 3  # the cell ran again and again, on both ranks
+    # the guide's distributed part: found on every rank, each fix measured on both
+    findings = {f["id"]: f for f in data["findings"]}
+    assert {"ddp-no-sync", "distributed-sampler"} <= findings.keys(), data["not_applicable"]
+    assert "8 forwards with backward per optimizer step" in findings["ddp-no-sync"]["evidence"]
+    assert "each of the 2 ranks iterates all 96" in findings["distributed-sampler"]["evidence"]
+    variants = {tuple(v["fixes"]): v for v in data["variants"]}
+    no_sync, sampler = variants[("ddp-no-sync",)], variants[("distributed-sampler",)]
+    assert no_sync["speedup"] and no_sync["rounds"] >= 2 and not no_sync["error"]
+    assert no_sync["numerics"]["verdict"] in ("identical", "close")  # the same sums
+    assert sampler["speedup"] and not sampler["error"]
+    assert sampler["numerics"]["verdict"] == "changed"  # each rank sees half the data
+    for rank in (0, 1):
+        _assert_equal(_state(out, "perfcheck", rank), _state(out, "plain", rank), f"rank {rank}")
+
+
+def test_perfcheck_under_torchrun_keeps_the_ranks_in_lockstep(tmp_path: Path) -> None:
+    plain = _one_node("plain", str(tmp_path))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    checked = _one_node("perfcheck", str(tmp_path), "8")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert "rank 1: <Report:" in checked.stdout  # the other ranks say one line
+    _check_lockstep_run(tmp_path)
+
+
+def test_two_nodes_through_c10d_rendezvous_give_the_same_result(tmp_path: Path) -> None:
+    for node in _two_nodes("plain", str(tmp_path)):
+        assert node.returncode == 0, node.stderr[-3000:]
+    for node in _two_nodes("perfcheck", str(tmp_path), "8"):
+        assert node.returncode == 0, node.stderr[-3000:]
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["distributed"]["nodes"] == 2
+    _check_lockstep_run(tmp_path)
+
+
+def _processes_running(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_rank_that_fails_while_measuring_stops_every_rank(tmp_path: Path) -> None:
+    started = time.perf_counter()
+    failed = _one_node("raise", str(tmp_path), "8")
+    taken = time.perf_counter() - started
+    assert failed.returncode != 0
+    assert "rank 1 failed in its fourth run" in failed.stdout + failed.stderr
+    assert taken < 60 + 30  # every rank stopped within 60 s of the failure (+ start-up)
+    assert not (tmp_path / "state-raise-0.pt").exists()  # rank 0 did not carry on alone
+    assert _processes_running(str(tmp_path)) == []
+
+
+def test_accumulation_with_no_sync_is_silent_and_the_off_by_one_is_a_finding(
+    tmp_path: Path,
+) -> None:
+    for form in ("right", "wrong"):
+        done = _one_node(form, str(tmp_path), "4")
+        assert done.returncode == 0, done.stderr[-3000:]
+    right = json.loads((tmp_path / "report-right.json").read_text())
+    assert right["findings"] == [] and right["not_applicable"] == []
+    (wrong,) = json.loads((tmp_path / "report-wrong.json").read_text())["findings"]
+    assert wrong["id"] == "ddp-no-sync"
+    assert "on micro-batch(es) [1] of each, not on the last" in wrong["evidence"]
+    assert "changes results on purpose" in wrong["caveat"]
+
+
+NOTEBOOK_CELLS = [
+    "%load_ext torchtune_magic",
+    """import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")  # the kernel inherits the rank's environment from torchrun
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
+                                                    torch.nn.Linear(256, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(dist.get_rank())
+batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g))
+           for _ in range(48)]""",
+    """%%perfcheck --budget 6 --checks ddp-no-sync
+for i, (x, y) in enumerate(batches):
+    torch.nn.functional.cross_entropy(model(x), y).div(4).backward()
+    if (i + 1) % 4 == 0:
+        opt.step()
+        opt.zero_grad()""",
+    "print(f'rank {dist.get_rank()}: {sum(p.sum().item() for p in model.parameters()):.6f}')",
+]
+
+
+def test_the_headless_runner_under_torchrun_runs_the_notebook_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in NOTEBOOK_CELLS]
+    path = tmp_path / "ddp.ipynb"
+    nbformat.write(notebook, path)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "torchtune_magic",
+        "run",
+        str(path),
+        "--json",
+        str(tmp_path / "reports"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_LIMIT_S, env=_env())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "rank 1: ran" in done.stdout and "written by rank 0" in done.stdout
+    (report_path,) = (tmp_path / "reports").glob("*.json")
+    data = json.loads(report_path.read_text())
+    assert data["distributed"]["world_size"] == 2
+    assert [f["id"] for f in data["findings"]] == ["ddp-no-sync"]
+
+
+FRAMEWORKS_SCRIPT = TESTS / "ddp_frameworks_script.py"
+
+
+@pytest.mark.parametrize(
+    "framework,module", [("lightning", "pytorch_lightning"), ("hf", "transformers")]
+)
+def test_frameworks_that_accumulate_with_no_sync_raise_no_finding_under_torchrun(
+    tmp_path: Path, framework: str, module: str
+) -> None:
+    """Lightning's `accumulate_grad_batches` and the HF Trainer's
+    `gradient_accumulation_steps` sync on the last micro-batch already: no ddp-no-sync;
+    each rank's model ends as after one plain run."""
+    pytest.importorskip(module)
+    for mode in ("plain", "perfcheck"):
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(FRAMEWORKS_SCRIPT),
+            framework,
+            mode,
+            str(tmp_path),
+        ]
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=HANG_LIMIT_S, env=_env()
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / f"report-{framework}.json").read_text())
+    assert data["distributed"]["world_size"] == 2
+    assert "ddp-no-sync" not in {f["id"] for f in data["findings"]}
+    assert "ddp-no-sync" not in {n["id"] for n in data["not_applicable"]}  # it looked
+    for rank in (0, 1):
+        plain = torch.load(tmp_path / f"state-{framework}-plain-{rank}.pt")
+        checked = torch.load(tmp_path / f"state-{framework}-perfcheck-{rank}.pt")
+        _assert_equal(checked, plain, f"{framework} rank {rank}")
