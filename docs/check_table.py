@@ -44,6 +44,10 @@ LIVE_FIX: dict[str, str] = {
     "cpu-threads": "`torch.set_num_threads(k)` (k from a quick trial)",
     "cpu-allocator": "raise glibc's mmap/trim thresholds (`mallopt`); advice: jemalloc or "
     "tcmalloc via `LD_PRELOAD`",
+    "ddp-no-sync": "DDP all-reduces only on the last micro-batch of each optimizer step, "
+    "as `no_sync()` on the others would (on every rank)",
+    "distributed-sampler": "rebuild the loader with a `DistributedSampler` (each rank 1/N "
+    "of an epoch)",
 }
 
 
