@@ -16,7 +16,8 @@ import jsonschema
 import pytest
 import torch
 
-from torchtune_magic.report import load_schema
+from torchtune_magic.render import text
+from torchtune_magic.report import Report, load_schema
 
 TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "ddp_script.py"
@@ -115,6 +116,8 @@ def _check_lockstep_run(out: Path) -> None:
     slowest = max(r["baseline_s"] for r in distributed["ranks"])
     assert data["baseline"]["median_s"] >= 0.9 * slowest
     assert data["baseline"]["runs"] >= 3  # the cell ran again and again, on both ranks
+    shown = text.render(Report.from_dict(data))
+    assert "torchrun: 2 ranks (gloo, " in shown and "rank 0 (" in shown and "rank 1 (" in shown
     # the guide's distributed part: found on every rank, each fix measured on both
     findings = {f["id"]: f for f in data["findings"]}
     assert {"ddp-no-sync", "distributed-sampler"} <= findings.keys(), data["not_applicable"]

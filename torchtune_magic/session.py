@@ -33,6 +33,7 @@ from .engine import (
     discovery,
     fixes,
     history,
+    launchers,
     lockstep,
     oom,
     plain_stack,
@@ -126,6 +127,9 @@ class Session:
         # what the probe's run changed that no restore puts back (a generator advanced, a
         # file written): the cell is then not run again, and these say why
         self._one_way: list[str] = []
+        # the launcher that runs the cell's training in child processes perfcheck does not
+        # see (`engine/launchers.py`): the cell is then not run again either
+        self._launcher: str | None = None
 
     # the one-shot flow ----------------------------------------------------------------------
     def run(self) -> Report:
@@ -247,6 +251,9 @@ class Session:
                 + " — so running it again would change what you see: it ran once (the "
                 "probe, whose findings are below) and nothing was timed"
             )
+        self._launcher = launchers.child_process_launcher(self.workload.tree, namespace)
+        if self._launcher is not None:
+            self._warn_once(launchers.not_measured_line(self._launcher))
         if obs.stopped_early:
             self._kernel = PART_RUN
         else:
@@ -279,12 +286,18 @@ class Session:
         if lockstep.any_rank(bool(self._one_way)) and not self._one_way:
             self._one_way = ["another rank's run changed what no restore puts back"]
 
+    @property
+    def _runs_once(self) -> bool:
+        """The probe was the cell's one run: running it again would change what the user
+        sees, or time a launcher's wait for processes perfcheck does not see."""
+        return bool(self._one_way) or self._launcher is not None
+
     def detect(self) -> list[Detection]:
         """Run every check wanted on the probe's observation. Their trials (worker counts,
         thread counts, plain runs) share TRIALS_SHARE of the budget: they come out of it."""
         obs = self._observed()
         # a cell that changed what no restore can put back is not run again, trials included
-        obs.trials_s = 0.0 if self._one_way else TRIALS_SHARE * self.options.budget
+        obs.trials_s = 0.0 if self._runs_once else TRIALS_SHARE * self.options.budget
         self.detections, self.not_applicable = [], []
         for check in registry.all_checks():
             if not self.options.wants(check.id):
@@ -494,7 +507,7 @@ class Session:
     def _measure(self, fix_sets: list[list[str]] | None, budget_s: float | None) -> Report:
         __tracebackhide__ = True
         deadline = self._measuring_deadline(budget_s)
-        if self._one_way:  # a run more would change what the user sees: none is made
+        if self._runs_once:  # a run more would change what the user sees: none is made
             self.publish(self._build_report(deadline=deadline, phase="measuring"))
             return self.report  # type: ignore[return-value]  # set by publish
         runs = self.runs

@@ -126,6 +126,20 @@ export interface ILoad {
   cpus: number;
 }
 
+export interface IRankTime {
+  rank: number;
+  host: string;
+  baseline_s: number | null;
+}
+
+/** The torchrun job the cell was measured in (report.py's Distributed). */
+export interface IDistributed {
+  world_size: number;
+  backend: string;
+  nodes: number;
+  ranks: IRankTime[];
+}
+
 export interface INotApplicable {
   id: string;
   reason: string;
@@ -180,6 +194,7 @@ export interface IReport {
   /** Fixes measured clearly faster with results the same or within tolerance. */
   recommended?: string[] | null;
   load?: ILoad | null;
+  distributed?: IDistributed | null;
 }
 
 function isObject(value: unknown): value is Record<string, unknown> {

@@ -111,6 +111,10 @@ function renderHeader(report: IReport, live?: ILive): HTMLElement {
   if (load) {
     items.push(['Machine', load]);
   }
+  const job = words.distributed(report);
+  if (job) {
+    items.push(['Ranks', job]);
+  }
   const run = words.cellRun(report);
   if (run) {
     items.push(["The cell's run", run]);

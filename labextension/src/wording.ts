@@ -172,6 +172,20 @@ export function load(report: IReport): string {
   );
 }
 
+/** The torchrun job and each rank's own baseline (summary.distributed_line), or "". */
+export function distributed(report: IReport): string {
+  const job = report.distributed;
+  if (!job) {
+    return '';
+  }
+  const nodes = `${job.nodes} node${job.nodes === 1 ? '' : 's'}`;
+  const line = `torchrun: ${job.world_size} ranks (${job.backend}, ${nodes}), times are the slowest rank's`;
+  const own = job.ranks
+    .filter(r => r.baseline_s !== null)
+    .map(r => `rank ${r.rank} (${r.host}) ${formatSeconds(r.baseline_s)}`);
+  return own.length > 0 ? `${line}; each rank's own baseline${perStep(report)}: ${own.join(', ')}` : line;
+}
+
 /** `whole cell 61.2 s → 27.0 s (projected)` for a sampled measurement, or "". */
 export function projected(report: IReport, variant: IVariant): string {
   const before = report.baseline.projected_cell_s;

@@ -216,6 +216,7 @@ def render(report: Report) -> str:
             summary.phase_line(report),
             summary.sampling_line(report),
             summary.load_line(report),
+            summary.distributed_line(report),
             summary.cell_run_line(report),
         )
         if line

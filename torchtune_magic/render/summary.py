@@ -289,6 +289,26 @@ def throughput(item: Stats | Variant | None) -> str:
     return text
 
 
+def distributed_line(report: Report) -> str:
+    """`torchrun: 2 ranks (gloo, 1 node), times are the slowest rank's; each rank's own
+    baseline: rank 0 (vm) 217 ms, rank 1 (vm) 216 ms`, or '' outside torchrun."""
+    job = report.distributed
+    if job is None:
+        return ""
+    nodes = f"{job.nodes} node" + ("" if job.nodes == 1 else "s")
+    line = (
+        f"torchrun: {job.world_size} ranks ({job.backend}, {nodes}), times are the slowest rank's"
+    )
+    own = [
+        f"rank {r.rank} ({r.host}) {seconds(r.baseline_s)}"
+        for r in job.ranks
+        if r.baseline_s is not None
+    ]
+    return line + (
+        f"; each rank's own baseline{per_step(report)}: " + ", ".join(own) if own else ""
+    )
+
+
 def load_line(report: Report) -> str:
     """`other processes kept 0.97 of this kernel's 2 CPUs busy while it measured`, or ''
     when they were (nearly) idle."""
