@@ -42,13 +42,15 @@ def _env() -> dict[str, str]:
     }
 
 
-def _torchrun(launcher: list[str], *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher, str(SCRIPT), *args]
+def _on_one_node(*args: str) -> subprocess.CompletedProcess[str]:
+    """torchrun with two processes on this node, running `args` (a script or `-m …`)."""
+    launcher = ["--nproc-per-node", "2", "--master-port", str(_free_port())]
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=HANG_LIMIT_S, env=_env())
 
 
 def _one_node(*args: str) -> subprocess.CompletedProcess[str]:
-    return _torchrun(["--nproc-per-node", "2", "--master-port", str(_free_port())], *args)
+    return _on_one_node(str(SCRIPT), *args)
 
 
 def _two_nodes(*args: str) -> list[subprocess.CompletedProcess[str]]:
@@ -223,22 +225,9 @@ def test_the_headless_runner_under_torchrun_runs_the_notebook_on_every_rank(
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in NOTEBOOK_CELLS]
     path = tmp_path / "ddp.ipynb"
     nbformat.write(notebook, path)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "torchtune_magic",
-        "run",
-        str(path),
-        "--json",
-        str(tmp_path / "reports"),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_LIMIT_S, env=_env())
+    done = _on_one_node(
+        "-m", "torchtune_magic", "run", str(path), "--json", str(tmp_path / "reports")
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "rank 1: ran" in done.stdout and "written by rank 0" in done.stdout
     (report_path,) = (tmp_path / "reports").glob("*.json")
@@ -261,22 +250,7 @@ def test_frameworks_that_accumulate_with_no_sync_raise_no_finding_under_torchrun
     each rank's model ends as after one plain run."""
     pytest.importorskip(module)
     for mode in ("plain", "perfcheck"):
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(_free_port()),
-            str(FRAMEWORKS_SCRIPT),
-            framework,
-            mode,
-            str(tmp_path),
-        ]
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=HANG_LIMIT_S, env=_env()
-        )
+        done = _on_one_node(str(FRAMEWORKS_SCRIPT), framework, mode, str(tmp_path))
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / f"report-{framework}.json").read_text())
     assert data["distributed"]["world_size"] == 2

@@ -89,14 +89,19 @@ class SyncLastMicroBatchFix(Fix):
             model.require_backward_grad_sync = was
 
 
-class DdpNoSyncCheck(Check):
-    id = "ddp-no-sync"
-    title = "Gradient accumulation all-reduces on every micro-batch"
+class _DistributedCheck(Check):
+    """A check of the guide's distributed part: it applies to a run of several ranks."""
+
     guide = GUIDE
-    threshold = "two or more backward passes per optimizer step"
 
     def not_applicable(self, obs: Observation) -> str | None:
         return _distributed_reason() or super().not_applicable(obs)
+
+
+class DdpNoSyncCheck(_DistributedCheck):
+    id = "ddp-no-sync"
+    title = "Gradient accumulation all-reduces on every micro-batch"
+    threshold = "two or more backward passes per optimizer step"
 
     def detect(self, obs: Observation) -> list[Detection]:
         found = []
@@ -195,14 +200,10 @@ class DistributedSamplerFix(Fix):
         )
 
 
-class DistributedSamplerCheck(Check):
+class DistributedSamplerCheck(_DistributedCheck):
     id = "distributed-sampler"
     title = "Every rank iterates the whole dataset"
-    guide = GUIDE
     threshold = "a DataLoader without a DistributedSampler, in a run of two or more ranks"
-
-    def not_applicable(self, obs: Observation) -> str | None:
-        return _distributed_reason() or super().not_applicable(obs)
 
     def detect(self, obs: Observation) -> list[Detection]:
         world = torch.distributed.get_world_size()
