@@ -48,6 +48,13 @@ LIVE_FIX: dict[str, str] = {
     "as `no_sync()` on the others would (on every rank)",
     "distributed-sampler": "rebuild the loader with a `DistributedSampler` (each rank 1/N "
     "of an epoch)",
+    "ddp-find-unused": "the DDP wrapper rebuilt with `find_unused_parameters=False` (or "
+    "`static_graph=True` where the same parameters go unused every step), on every rank",
+    "ddp-bucket-view": "the DDP wrapper rebuilt with `gradient_as_bucket_view=True`, on every "
+    "rank",
+    "rank-imbalance": "advice only: which rank the others wait for, and whether its DataLoader "
+    "or its own compute took the extra time",
+    "data-parallel": "advice only: the torchrun command and the DDP code, one process per GPU",
 }
 
 

@@ -8,7 +8,11 @@ MODE `plain` runs the cell once; `perfcheck` runs it under `perfcheck(CELL, glob
 (rank 0 writes OUT_DIR/report.json); `raise` makes rank 1's cell raise in its fourth run (a
 measuring run); `right` and `wrong` check the accumulation written with `no_sync()`, syncing
 on the last micro-batch and (the off-by-one) on the first, with ddp-no-sync only (rank 0
-writes OUT_DIR/report-MODE.json). Each rank saves its parameters, optimizer state and losses
+writes OUT_DIR/report-MODE.json). `settings` and `static` build the wrapper with
+`find_unused_parameters=True` and no accumulation, every parameter used (`settings`, with
+ddp-find-unused and ddp-bucket-view) or one layer never used (`static`, ddp-find-unused
+only); `settings-plain` runs that cell once. `imbalance` makes rank 1's loader 10 ms slower a
+batch, with rank-imbalance only. Each rank saves its parameters, optimizer state and losses
 to OUT_DIR/state-MODE-RANK.pt.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib  # noqa: F401  (the no_sync cell uses it)
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -29,17 +34,39 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.set_num_threads(1)  # two ranks on a 2-core box
 torch.manual_seed(0)
-model = DistributedDataParallel(
-    torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
-)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, unused_head: bool):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+        )
+        if unused_head:  # never called: the same parameters unused in every step
+            self.unused_head = torch.nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+settings = mode.startswith("settings") or mode == "static"
+model = DistributedDataParallel(Net(mode == "static"), find_unused_parameters=settings)
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 generator = torch.Generator().manual_seed(rank)
 dataset = torch.utils.data.TensorDataset(
     torch.randn(96 * 16, 64, generator=generator),
     torch.randint(0, 10, (96 * 16,), generator=generator),
 )
-loader = torch.utils.data.DataLoader(dataset, batch_size=16)
-accumulate = 8
+
+
+def collate(batch: list) -> list:
+    if mode == "imbalance" and rank == 1:
+        time.sleep(0.01)  # a slow preprocessing step on one rank
+    return torch.utils.data.default_collate(batch)
+
+
+loader = torch.utils.data.DataLoader(dataset, batch_size=16, collate_fn=collate)
+accumulate = 1 if settings or mode == "imbalance" else 8
 losses: list[float] = []  # appended to every optimizer step, as notebooks do
 log = types.ModuleType("log")  # counts every run: modules are not restored between runs
 log.runs = 0
@@ -69,8 +96,19 @@ for i, (x, y) in enumerate(loader):
         opt.zero_grad()
 """
 
-if mode == "plain":
+if mode in ("plain", "settings-plain"):
     exec(CELL)
+elif mode in ("settings", "static"):
+    from torchtune_magic import perfcheck
+
+    checks = "ddp-find-unused,ddp-bucket-view" if mode == "settings" else "ddp-find-unused"
+    perfcheck(CELL, globals(), budget=budget, checks=checks, json=out / f"report-{mode}.json")
+elif mode == "imbalance":
+    from torchtune_magic import perfcheck
+
+    perfcheck(
+        CELL, globals(), budget=budget, checks="rank-imbalance", json=out / "report-imbalance.json"
+    )
 elif mode in ("right", "wrong"):
     from torchtune_magic import perfcheck
 

@@ -325,3 +325,39 @@ def test_fused_optimizer_on_cuda_rebuilds_and_carries_state_back():
     assert ns["opt"] is original
     step = original.state[next(ns["model"].parameters())]["step"]
     assert step.device.type == "cpu" and step.item() == 10
+
+
+DATA_PARALLEL_SETUP = """
+import torch
+from torch import nn
+model = nn.DataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+X, Y = torch.randn(64, 16).cuda(), torch.randn(64, 1).cuda()
+"""
+DATA_PARALLEL_TRAIN = """
+for _ in range(4):
+    loss = ((model(X) - Y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_data_parallel_is_not_applicable_without_two_gpus():
+    """On CPU (or one GPU) nn.DataParallel runs the module as it is: nothing to move to DDP."""
+    ns = namespace_with(DATA_PARALLEL_SETUP.replace(".cuda()", ""))
+    report = perfcheck(DATA_PARALLEL_TRAIN, ns, budget=1, quick=True, checks="data-parallel")
+    (item,) = report.not_applicable
+    assert item.id == "data-parallel" and item.reason.startswith("not applicable on CPU")
+    assert report.findings == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_data_parallel_over_two_gpus_gives_the_torchrun_form():
+    ns = namespace_with(DATA_PARALLEL_SETUP)
+    obs = _observed(DATA_PARALLEL_TRAIN, ns)
+    (found,) = registry.get("data-parallel").detect(obs)
+    assert "over 2 GPUs, called 4 times" in found.finding.evidence
+    assert found.fix is None and not found.finding.fixable
+    assert "torchrun --nproc-per-node 2" in found.finding.code_change.elsewhere[0]

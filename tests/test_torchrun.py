@@ -193,6 +193,62 @@ def test_accumulation_with_no_sync_is_silent_and_the_off_by_one_is_a_finding(
     assert "changes results on purpose" in wrong["caveat"]
 
 
+def test_ddp_settings_that_cost_every_step_are_found_and_measured_on_a_rebuilt_wrapper(
+    tmp_path: Path,
+) -> None:
+    """`find_unused_parameters=True` with every parameter used, and
+    `gradient_as_bucket_view=False`: each fix rebuilds the wrapper on both ranks and is
+    measured; the same results; each rank's state as after one plain run. With a layer
+    that is never used, the search is replaced by `static_graph=True` instead."""
+    for mode in ("settings-plain", "settings", "static"):
+        done = _one_node(mode, str(tmp_path), "6")
+        assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((tmp_path / "report-settings.json").read_text())
+    findings = {f["id"]: f for f in data["findings"]}
+    assert findings.keys() == {"ddp-find-unused", "ddp-bucket-view"}, data["not_applicable"]
+    assert (
+        "all 4 of its trainable parameters got a gradient"
+        in findings["ddp-find-unused"]["evidence"]
+    )
+    assert (
+        "find_unused_parameters=False" in findings["ddp-find-unused"]["code_change"]["elsewhere"][0]
+    )
+    assert "0.1 MiB of gradients" in findings["ddp-bucket-view"]["evidence"]
+    variants = {tuple(v["fixes"]): v for v in data["variants"]}
+    for check in ("ddp-find-unused", "ddp-bucket-view"):
+        variant = variants[(check,)]
+        assert variant["speedup"] and variant["rounds"] >= 2 and not variant["error"], variant
+        assert variant["numerics"]["verdict"] in ("identical", "close"), variant
+    for rank in (0, 1):
+        _assert_equal(
+            _state(tmp_path, "settings", rank), _state(tmp_path, "settings-plain", rank), "rank"
+        )
+    static = json.loads((tmp_path / "report-static.json").read_text())
+    (finding,) = static["findings"]
+    assert (
+        "the same 2 of its 6 parameters (unused_head.bias, unused_head.weight)"
+        in finding["evidence"]
+    )
+    assert "static_graph=True" in finding["code_change"]["elsewhere"][0]
+    (variant,) = [v for v in static["variants"] if v["fixes"] == ["ddp-find-unused"]]
+    assert variant["speedup"] and not variant["error"], variant
+
+
+def test_a_rank_with_a_slow_loader_is_named_and_the_others_wait_for_it(tmp_path: Path) -> None:
+    """Rank 1's collate sleeps 10 ms a batch: rank-imbalance names rank 1 and its
+    DataLoader, and the rank table shows rank 0 spending its run in the all-reduce."""
+    done = _one_node("imbalance", str(tmp_path), "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((tmp_path / "report-imbalance.json").read_text())
+    (finding,) = data["findings"]
+    assert finding["id"] == "rank-imbalance" and finding["where"] == "rank 1"
+    assert "went waiting for its DataLoader" in finding["evidence"], finding["evidence"]
+    assert "more DataLoader workers" in finding["code_change"]["elsewhere"][0]
+    waited = {r["rank"]: r["collective_share"] for r in data["distributed"]["ranks"]}
+    assert waited[0] > 0.3 and waited[0] > 2 * waited[1], waited
+    assert "% in all-reduce)" in text.render(Report.from_dict(data))
+
+
 NOTEBOOK_CELLS = [
     "%load_ext torchtune_magic",
     """import torch, torch.distributed as dist
@@ -254,8 +310,18 @@ def test_frameworks_that_accumulate_with_no_sync_raise_no_finding_under_torchrun
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / f"report-{framework}.json").read_text())
     assert data["distributed"]["world_size"] == 2
-    assert "ddp-no-sync" not in {f["id"] for f in data["findings"]}
+    findings = {f["id"]: f for f in data["findings"]}
+    assert "ddp-no-sync" not in findings
     assert "ddp-no-sync" not in {n["id"] for n in data["not_applicable"]}  # it looked
+    # the wrapper each framework builds inside the cell is rebuilt there, in its own terms
+    wanted = {
+        "lightning": ("ddp-bucket-view", "strategy=DDPStrategy(gradient_as_bucket_view=True)"),
+        "hf": ("ddp-find-unused", "TrainingArguments(..., ddp_find_unused_parameters=False)"),
+    }
+    check_id, change = wanted[framework]
+    assert change in findings[check_id]["code_change"]["elsewhere"][0], findings.keys()
+    variant = next(v for v in data["variants"] if v["fixes"] == [check_id])
+    assert variant["speedup"] and not variant["error"], variant
     for rank in (0, 1):
         plain = torch.load(tmp_path / f"state-{framework}-plain-{rank}.pt")
         checked = torch.load(tmp_path / f"state-{framework}-perfcheck-{rank}.pt")

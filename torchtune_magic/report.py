@@ -220,6 +220,9 @@ class RankTime:
     rank: int
     host: str
     baseline_s: float | None
+    # the share of its probe run it spent in synced backward passes after its own last
+    # gradient: the all-reduce not hidden behind the backward, and waiting for slower ranks
+    collective_share: float | None = None
 
 
 @dataclass

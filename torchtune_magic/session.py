@@ -145,7 +145,7 @@ class Session:
             self.ranks = lockstep.joined()
         with lockstep.active(self.ranks):
             if self.ranks is not None and self.observation is not None:
-                self._probe_figures_agreed(self.observation)
+                self._probe_figures_agreed(self.observation, self.ranks)
             return self._after_probe()
 
     def _after_probe(self) -> Report:
@@ -273,10 +273,12 @@ class Session:
             self.step_count = steps.count_steps(obs, self.step_trace)
         return obs
 
-    def _probe_figures_agreed(self, obs: probe.Observation) -> None:
-        """Under torchrun, the probe's times as its slowest rank took them, and a change no
-        restore puts back on any rank holds every rank to the one run (the figures the
-        measuring plan and the first runs' guesses are made from)."""
+    def _probe_figures_agreed(self, obs: probe.Observation, ranks: lockstep.Ranks) -> None:
+        """Under torchrun, every rank's work in the probe (for rank-imbalance and the rank
+        table), the probe's times as its slowest rank took them, and a change no restore
+        puts back on any rank holds every rank to the one run (the figures the measuring
+        plan and the first runs' guesses are made from)."""
+        obs.rank_work = lockstep.gathered(obs.own_work(ranks.rank))
         trace = self.step_trace
         first_s, last_s = (trace.first_s, trace.last_s) if trace is not None else (None, None)
         wall_s, first_s, last_s = lockstep.slowest_of([obs.wall_s, first_s, last_s])
@@ -611,6 +613,11 @@ class Session:
         if ranks is None:
             return None
         rank_times = (runs.rank_times if runs is not None else None) or []
+        work = {w.rank: w for w in (self.observation and self.observation.rank_work) or []}
+        for rank_time in rank_times:
+            own = work.get(rank_time.rank)
+            if own is not None and own.steps and own.wall_s > 0:
+                rank_time.collective_share = min(1.0, own.collective_s / own.wall_s)
         return Distributed(ranks.world, ranks.backend, ranks.nodes, rank_times)
 
     def _partial_due(self) -> bool:

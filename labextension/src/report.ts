@@ -130,6 +130,7 @@ export interface IRankTime {
   rank: number;
   host: string;
   baseline_s: number | null;
+  collective_share?: number | null;
 }
 
 /** The torchrun job the cell was measured in (report.py's Distributed). */

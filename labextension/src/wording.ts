@@ -182,7 +182,11 @@ export function distributed(report: IReport): string {
   const line = `torchrun: ${job.world_size} ranks (${job.backend}, ${nodes}), times are the slowest rank's`;
   const own = job.ranks
     .filter(r => r.baseline_s !== null)
-    .map(r => `rank ${r.rank} (${r.host}) ${formatSeconds(r.baseline_s)}`);
+    .map(r => {
+      const share = r.collective_share;
+      const waited = share === null || share === undefined ? '' : ` (${Math.round(share * 100)}% in all-reduce)`;
+      return `rank ${r.rank} (${r.host}) ${formatSeconds(r.baseline_s)}${waited}`;
+    });
   return own.length > 0 ? `${line}; each rank's own baseline${perStep(report)}: ${own.join(', ')}` : line;
 }
 

@@ -17,7 +17,7 @@ import torch
 from ..engine import codeedit, discovery
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
-from .base import Check, Detection
+from .base import Check, Detection, size_text
 from .userfuncs import function_locations
 
 if TYPE_CHECKING:
@@ -318,10 +318,6 @@ class EvaluationNoGradFix(Fix):
         return codeedit.combine(self.source, [source, self.fixed])  # after others' edits
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**17 else f"{nbytes / 2**10:.0f} KiB"
-
-
 def _evaluation_in_training(check: NoGradCheck, obs: Observation) -> list[Detection]:
     """Forwards whose graph no backward reached, in a cell that also trains."""
 
@@ -347,7 +343,7 @@ def _evaluation_in_training(check: NoGradCheck, obs: Observation) -> list[Detect
         "other forwards in the cell were trained through"
     )
     if held:
-        evidence += f"; the largest held {_mib(held)} of saved activations"
+        evidence += f"; the largest held {size_text(held)} of saved activations"
     places = [_where(t) for t in targets]
     if planner.unplaced:
         places.append(f"{planner.unplaced} in code that also trains, left as it is")

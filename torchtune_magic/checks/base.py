@@ -92,3 +92,8 @@ class Check:
         base = {"id": self.id, "title": self.title, "guide": self.guide}
         base.update(fields)
         return Finding(**base)  # type: ignore[arg-type]
+
+
+def size_text(nbytes: int) -> str:
+    """`4.0 MiB`, or `96 KiB` below an eighth of a MiB (where one decimal of MiB says 0.0)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**17 else f"{nbytes / 2**10:.0f} KiB"

@@ -17,15 +17,11 @@ from torch import nn
 from ..engine import codeedit
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
-from .base import Check, Detection
+from .base import Check, Detection, size_text
 from .loader import lines_text, non_blocking_edit
 
 if TYPE_CHECKING:
     from ..engine.probe import HostCopy, Observation
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 # cudnn-benchmark ------------------------------------------------------------------------------
@@ -124,7 +120,7 @@ class NonBlockingCopyCheck(Check):
         source = obs.workload.source
         fixed = non_blocking_edit(source, lines)
         fix = NonBlockingCopyFix(lines) if fixed != source else None
-        size = _mib(sum(c.nbytes for c in blocking))
+        size = size_text(sum(c.nbytes for c in blocking))
         evidence = (
             f"{len(blocking)} copies of pinned host tensors ({size} in all) to the GPU ran "
             "with non_blocking=False: the host waits for each one instead of queueing it "
@@ -256,7 +252,7 @@ class TensorOnDeviceCheck(Check):
             Detection(
                 self.finding(
                     evidence=(
-                        f"{len(moved)} tensors ({_mib(sum(c.nbytes for c in moved))}) were "
+                        f"{len(moved)} tensors ({size_text(sum(c.nbytes for c in moved))}) were "
                         f"built on the CPU and copied to the GPU at cell "
                         f"{lines_text(move_lines)}"
                     ),

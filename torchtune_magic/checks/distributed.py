@@ -30,7 +30,7 @@ from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
 
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
-from .base import Check, Detection
+from .base import Check, Detection, size_text
 from .loader.rebuild import plan_for
 from .loader.target import locate
 
@@ -89,7 +89,7 @@ class SyncLastMicroBatchFix(Fix):
             model.require_backward_grad_sync = was
 
 
-class _DistributedCheck(Check):
+class DistributedCheck(Check):
     """A check of the guide's distributed part: it applies to a run of several ranks."""
 
     guide = GUIDE
@@ -98,7 +98,7 @@ class _DistributedCheck(Check):
         return _distributed_reason() or super().not_applicable(obs)
 
 
-class DdpNoSyncCheck(_DistributedCheck):
+class DdpNoSyncCheck(DistributedCheck):
     id = "ddp-no-sync"
     title = "Gradient accumulation all-reduces on every micro-batch"
     threshold = "two or more backward passes per optimizer step"
@@ -122,7 +122,7 @@ class DdpNoSyncCheck(_DistributedCheck):
         last_only = [False] * (accumulate - 1) + [True]
         if all(step == last_only for step in steps):
             return None  # the right form: the last micro-batch syncs
-        name = _model_name(obs, synced.module)
+        name = model_name(obs, synced.module)
         grads = sum(
             p.numel() * p.element_size() for p in synced.module.parameters() if p.requires_grad
         )
@@ -132,7 +132,7 @@ class DdpNoSyncCheck(_DistributedCheck):
         if all(all(step) for step in steps):
             evidence = (
                 f"`{name}` ran {accumulate} forwards with backward per optimizer step and "
-                f"all-reduced {_mib(grads)} of gradients after each ({syncs} all-reduces "
+                f"all-reduced {size_text(grads)} of gradients after each ({syncs} all-reduces "
                 f"over {len(steps)} optimizer steps); only the last of each step is used"
             )
             caveat = None
@@ -161,13 +161,9 @@ class DdpNoSyncCheck(_DistributedCheck):
         )
 
 
-def _model_name(obs: Observation, module: torch.nn.Module) -> str:
+def model_name(obs: Observation, module: torch.nn.Module) -> str:
     entry = obs.found.get(id(module))
     return entry.name if entry is not None else type(module).__name__
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
 
 
 def _no_sync_form(name: str, accumulate: int) -> str:
@@ -200,7 +196,7 @@ class DistributedSamplerFix(Fix):
         )
 
 
-class DistributedSamplerCheck(_DistributedCheck):
+class DistributedSamplerCheck(DistributedCheck):
     id = "distributed-sampler"
     title = "Every rank iterates the whole dataset"
     threshold = "a DataLoader without a DistributedSampler, in a run of two or more ranks"

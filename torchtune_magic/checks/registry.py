@@ -17,6 +17,8 @@ def all_checks() -> tuple[Check, ...]:
         checkpointing,
         conv_bn,
         cuda,
+        data_parallel,
+        ddp_settings,
         debug,
         distributed,
         fusion,
@@ -24,6 +26,7 @@ def all_checks() -> tuple[Check, ...]:
         memory_format,
         optimizer,
         precision,
+        rank_imbalance,
         sync,
         threads,
     )
@@ -51,6 +54,10 @@ def all_checks() -> tuple[Check, ...]:
         allocator.AllocatorCheck(),
         distributed.DdpNoSyncCheck(),
         distributed.DistributedSamplerCheck(),
+        ddp_settings.DdpFindUnusedCheck(),
+        ddp_settings.DdpBucketViewCheck(),
+        rank_imbalance.RankImbalanceCheck(),
+        data_parallel.DataParallelCheck(),
     )
 
 

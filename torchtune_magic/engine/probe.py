@@ -66,11 +66,63 @@ class SyncedForwards:
     steps: list[list[bool]] = field(default_factory=list)  # closed by an optimizer step
     open: list[bool] = field(default_factory=list)  # since the last optimizer step
     lines: set[int] = field(default_factory=set)
+    # For each synced backward seen to its end, the names of the trainable parameters that
+    # got no gradient in it (what `find_unused_parameters=True` searches the graph for)
+    unused: list[frozenset[str]] = field(default_factory=list)
+    graded: set[str] = field(default_factory=set)  # given a gradient since the last forward
+    awaiting: bool = False  # the last forward synced: its backward may be under way
+    # Seconds the synced backward passes ran on after this rank's last gradient was ready:
+    # the all-reduce not hidden behind the backward, and the wait for slower ranks in it
+    tail_s: float = 0.0
+    last_gradient_at: float | None = None
 
     def step_ended(self) -> None:
         if self.open:
             self.steps.append(self.open)
             self.open = []
+
+    def forward(self, syncs: bool) -> None:
+        """A forward with autograd recording: the previous one's backward has ended."""
+        self.close_backward()
+        self.open.append(syncs)
+        self.awaiting = syncs
+
+    def gradient_ready(self, name: str) -> None:
+        self.graded.add(name)
+        self.last_gradient_at = time.perf_counter()
+
+    def backward_returned(self) -> None:
+        """The cell's backward call returned: after a synced one, DDP's all-reduce is done."""
+        if self.awaiting and self.last_gradient_at is not None:
+            self.tail_s += time.perf_counter() - self.last_gradient_at
+        self.last_gradient_at = None
+
+    def close_backward(self) -> None:
+        """Record which parameters the last synced forward's backward left without a
+        gradient (none given at all: no backward ran, nothing to record)."""
+        if self.awaiting and self.graded:
+            trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
+            self.unused.append(frozenset(trainable - self.graded))
+        self.graded.clear()
+        self.awaiting = False
+
+
+@dataclass
+class RankWork:
+    """Where one rank's probe run went, gathered from every rank under torchrun: what a
+    rank waiting for another looks like (a long tail after its own gradients) and where a
+    slow rank's time went (its DataLoader)."""
+
+    rank: int
+    wall_s: float
+    collective_s: float  # after its last gradient, in synced backward passes (all-reduce)
+    loader_s: float  # waiting for the DataLoader's batches
+    steps: int  # synced backward passes seen whole
+
+    @property
+    def working_s(self) -> float:
+        """The run without the all-reduce tails: this rank's own work."""
+        return self.wall_s - self.collective_s
 
 
 @dataclass
@@ -190,6 +242,7 @@ class Observation:
     optimizer_steps: dict[int, tuple[torch.optim.Optimizer, int]] = field(default_factory=dict)
     loaders: dict[int, LoaderUse] = field(default_factory=dict)
     ddp_forwards: dict[int, SyncedForwards] = field(default_factory=dict)  # by module id
+    rank_work: list[RankWork] | None = None  # every rank's, by rank (under torchrun)
     host_copies: list[HostCopy] = field(default_factory=list)
     # reads of tensor values by the host from the cell's own code (.item(), print(t), …);
     # kind = the call, detail = the tensor's device type
@@ -306,6 +359,16 @@ class Observation:
                     return f"{entry.name}.{name}" if name else entry.name
         return type(module).__name__
 
+    def own_work(self, rank: int) -> RankWork:
+        """This rank's part of `rank_work`, from its own probe run."""
+        return RankWork(
+            rank,
+            self.wall_s,
+            sum(synced.tail_s for synced in self.ddp_forwards.values()),
+            sum(use.wait_s for use in self.loaders.values()),
+            sum(len(synced.unused) for synced in self.ddp_forwards.values()),
+        )
+
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [opt for opt, _ in self.optimizer_steps.values()]
@@ -322,6 +385,7 @@ class _Recorder:
         self.built_loaders: dict[int, int | None] = {}  # id -> cell line, built during the run
         self.batch_tensors: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.watched_params: dict[int, torch.Tensor] = {}
+        self.grad_hooks: list[Any] = []  # on DDP models' parameters (`watch_gradients`)
         self.sync_depth = 0  # inside a recorded host sync (print(t) calls t.item() …)
         self.own_profiler = False  # our profiler is on: `_profiler_enabled()` is no evidence
         # spans as pairs of marker numbers; the markers' profiler times become Scope times
@@ -406,10 +470,22 @@ class _Recorder:
         synced = self.obs.ddp_forwards.get(id(module))
         if synced is None:
             synced = self.obs.ddp_forwards[id(module)] = SyncedForwards(module)
-        synced.open.append(bool(module.require_backward_grad_sync))
+            self.watch_gradients(synced)
+        synced.forward(bool(module.require_backward_grad_sync))
         line = self.line()
         if line is not None:
             synced.lines.add(line)
+
+    def watch_gradients(self, synced: SyncedForwards) -> None:
+        """Note each of the DDP model's trainable parameters as its gradient accumulates
+        (the hooks go with the probe's others)."""
+        for name, param in synced.module.named_parameters():
+            if param.requires_grad:
+                self.grad_hooks.append(
+                    param.register_post_accumulate_grad_hook(
+                        lambda _, _name=name: synced.gradient_ready(_name)
+                    )
+                )
 
     def forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         use = self.obs.modules.get(id(module))
@@ -509,7 +585,11 @@ class _Recorder:
             if zeroed:
                 obs.zeroed_grad_backwards += 1
                 obs.zeroed_grad_params = max(obs.zeroed_grad_params, zeroed)
-            return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for synced in obs.ddp_forwards.values():
+                    synced.backward_returned()
 
         return recorded_backward
 
@@ -738,8 +818,10 @@ def _instrumented(recorder: _Recorder, namespace: dict[str, Any]) -> Iterator[No
         with _function_spans(recorder), loops.listening(recorder.loop_iteration):
             yield
     finally:
-        for handle in handles:
+        for handle in handles + recorder.grad_hooks:
             handle.remove()
+        for synced in recorder.obs.ddp_forwards.values():
+            synced.close_backward()
         recorder.roots.release()
         patcher.undo()
 
