@@ -6,9 +6,10 @@ over 8 micro-batches, each rank iterating a DataLoader with no DistributedSample
 
 MODE `plain` runs the cell once; `perfcheck` runs it under `perfcheck(CELL, globals())`
 (rank 0 writes OUT_DIR/report.json); `raise` makes rank 1's cell raise in its fourth run (a
-measuring run); `right` and `wrong` check the accumulation written with `no_sync()`, syncing
-on the last micro-batch and (the off-by-one) on the first, with ddp-no-sync only (rank 0
-writes OUT_DIR/report-MODE.json). `settings` and `static` build the wrapper with
+measuring run), `interrupt` sends rank 1 a SIGINT there (Ctrl-C on one rank); `right` and
+`wrong` check the accumulation written with `no_sync()`, syncing on the last micro-batch and
+(the off-by-one) on the first, with ddp-no-sync only (rank 0 writes
+OUT_DIR/report-MODE.json). `settings` and `static` build the wrapper with
 `find_unused_parameters=True` and no accumulation, every parameter used (`settings`, with
 ddp-find-unused and ddp-bucket-view) or one layer never used (`static`, ddp-find-unused
 only); `settings-plain` runs that cell once. `imbalance` makes rank 1's loader 10 ms slower a
@@ -19,6 +20,8 @@ to OUT_DIR/state-MODE-RANK.pt.
 from __future__ import annotations
 
 import contextlib  # noqa: F401  (the no_sync cell uses it)
+import os  # noqa: F401  (the interrupt mode's cell uses it)
+import signal  # noqa: F401  (likewise)
 import sys
 import time
 import types
@@ -75,6 +78,8 @@ CELL = """
 log.runs += 1
 if mode == "raise" and rank == 1 and log.runs == 4:
     raise RuntimeError("rank 1 failed in its fourth run")
+if mode == "interrupt" and rank == 1 and log.runs == 4:
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C on rank 1 only, in a measuring run
 for i, (x, y) in enumerate(loader):
     loss = torch.nn.functional.cross_entropy(model(x), y) / accumulate
     loss.backward()

@@ -179,6 +179,19 @@ def test_a_rank_that_fails_while_measuring_stops_every_rank(tmp_path: Path) -> N
     assert _processes_running(str(tmp_path)) == []
 
 
+def test_ctrl_c_on_one_rank_while_measuring_stops_every_rank(tmp_path: Path) -> None:
+    """SIGINT to rank 1 alone, in a measuring run: rank 1 stops with KeyboardInterrupt,
+    torchrun stops rank 0, nothing hangs and nothing is left running."""
+    started = time.perf_counter()
+    stopped = _one_node("interrupt", str(tmp_path), "8")
+    taken = time.perf_counter() - started
+    assert stopped.returncode != 0
+    assert "KeyboardInterrupt" in stopped.stderr and "SIGINT" in stopped.stderr
+    assert taken < 60 + 30
+    assert not (tmp_path / "state-interrupt-0.pt").exists()
+    assert _processes_running(str(tmp_path)) == []
+
+
 def test_accumulation_with_no_sync_is_silent_and_the_off_by_one_is_a_finding(
     tmp_path: Path,
 ) -> None:
