@@ -275,6 +275,16 @@ class Observation:
     # seconds of the run the op stream covers (our profiler stops after a few seconds of a
     # long cell's steps): op shares are shares of this, not of wall_s
     profiled_s: float = 0.0
+    # what profiling cost: the steps it covered, and the seconds they took with stopping
+    # the profiler and reading its events back (what a profiled measuring run will cost)
+    profiled_steps: int = 0
+    profiling_cost_s: float = 0.0
+
+    def profiled_step_s(self) -> float | None:
+        """Seconds a step of the cell costs under our profiler, events read back included."""
+        if not self.profiled_steps or not self.profiling_cost_s:
+            return None
+        return self.profiling_cost_s / self.profiled_steps
 
     def profiled_text(self, seconds: Callable[[float], str]) -> str:
         """`the cell's 412.0 ms`, or `the run's first 1500.0 ms (profiled)` where our
@@ -424,19 +434,22 @@ class _Recorder:
         # under torchrun, the slowest rank's time: every rank stops at the same step
         elapsed = lockstep.slowest(elapsed)
         if profile_for_s is not None and (elapsed >= profile_for_s or ended >= PROFILED_STEPS_MOST):
-            self.profiling_done(elapsed)
+            self.profiling_done(elapsed, ended)
         if self.stop_after_s is not None and elapsed >= self.stop_after_s:
             self.obs.stopped_early = True
             raise StepLimitReached
 
-    def profiling_done(self, elapsed: float) -> None:
+    def profiling_done(self, elapsed: float, ended: int) -> None:
         """Stop our profiler (and the function spans it needed): the op stream covers the
-        run's first `elapsed` seconds, its steps, from here on unprofiled."""
+        run's first `elapsed` seconds, its first `ended` steps, from here on unprofiled."""
         assert self.stop_profiler is not None
+        stopping = time.perf_counter()
         self.stop_profiler()
         self.stop_profiler = None
         self.own_profiler = False
         self.obs.profiled_s = elapsed
+        self.obs.profiled_steps = ended
+        self.obs.profiling_cost_s = elapsed + time.perf_counter() - stopping
         if sys.getprofile() == self.function_event:
             sys.setprofile(None)
 
@@ -921,6 +934,11 @@ def run(
         with memory.profiled(device) as profile, _instrumented(recorder, workload.namespace):
             recorder.stop_profiler = profile.stop_early
             obs.wall_s = _run_until_stopped(workload, recorder)
+            ran_until = time.perf_counter()
+        # stopping the profiler (when it ran to the end) and reading its events back
+        obs.profiling_cost_s = (obs.profiling_cost_s or obs.wall_s) + (
+            time.perf_counter() - ran_until
+        )
         obs.profiled_s = obs.profiled_s or obs.wall_s
         marks = {
             int(op.name[len(SPAN_MARK) :]): op.start_us
@@ -946,6 +964,9 @@ def run(
                 trace.count = obs.modules[id(trace.obj)].outer_calls
             elif trace.unit == "iteration":
                 trace.count = recorder.iterations.get(trace.obj.key, 0)
+    leading = obs.leading_step()
+    if use_profiler and not obs.profiled_steps and leading is not None:
+        obs.profiled_steps = leading.count  # the profiler ran to the end of the run
     if allocator.reports_faults():
         obs.minor_faults = allocator.minor_faults() - faults_before
     for key, entry in discovery.walk(workload.namespace).items():

@@ -385,12 +385,13 @@ class Runs:
         ):
             self.profiled_steps = min(sample.stop, steps.PROFILED_STEPS)
             guess = self._profiled_guess(first)
+        memory_guess = self._memory_guess(guess)
         skipped = False
         for config in self._profiled_order(measuring):
             counted = self.flops is not None or self.flops_detail is not None
             if config is None and counted:  # once per session
                 continue
-            if not deadline.allows(guess):
+            if not deadline.allows(guess if config is None else memory_guess):
                 skipped = True
                 continue
             if config is None:
@@ -546,11 +547,11 @@ class Runs:
         self.flops = count
 
     def _checked_run(self, config: Config) -> int | None:
-        """One untimed run that records peak memory (sampled: a short one)."""
+        """One untimed run that records peak memory (a short one, `_memory_stop`)."""
         obs = self.obs
         # the probe could profile, so memory profiling is safe too
         measure = memory.profiled if obs.ops is not None else memory.tracked
-        peak = self.one_run(config, None, self._profiled_stop(), measure(obs.device)).watched.peak
+        peak = self.one_run(config, None, self._memory_stop(), measure(obs.device)).watched.peak
         self.memory_label = peak.label if peak else None
         return peak.bytes if peak else None
 
@@ -602,6 +603,26 @@ class Runs:
             return self.profiled_steps
         return sample.stop if self.profiled_whole_sample else min(sample.stop, steps.PROFILED_STEPS)
 
+    def _memory_stop(self) -> int | None:
+        """Where a peak-memory run stops: where the profiled runs do when sampled; a cell
+        run whole stops after PROFILED_STEPS of its steps as well, unless a fix meant to
+        cut memory is measured (see `_profiled_stop`). Its profiler records every op with
+        its memory: read back, the events of a whole run of many small steps take far
+        longer than the run (a 3 s cell of 1,445 steps: 16 s of a 20 s budget)."""
+        if self.sample is not None:
+            return self._profiled_stop()
+        trace = self.trace
+        if trace is None or self.profiled_whole_sample or trace.count <= steps.PROFILED_STEPS:
+            return None
+        return steps.PROFILED_STEPS
+
+    def _memory_guess(self, profiled_guess: float) -> float:
+        """A peak-memory run's seconds: a profiled run's, cut to the steps it runs."""
+        stop, trace = self._memory_stop(), self.trace
+        if self.sample is not None or stop is None or trace is None:
+            return profiled_guess
+        return profiled_guess * min(1.0, (stop + 1) / trace.count)
+
     def _profiled_order(self, measuring: Measuring) -> list[Config | None]:
         """What the profiled runs measure, most wanted first (None: the FLOPs count): the
         baseline's peak (the reserve always has room for it and the FLOPs), the peaks of
@@ -635,21 +656,27 @@ class Runs:
         return 0.0
 
     def _profiled_guess(self, first: RunTime | None) -> float:
-        """One profiled run's seconds: the plain run (sampled: its set-up and
-        PROFILED_STEPS steps) slowed as much as the probe was slowed by its
-        instrumentation."""
+        """One profiled run's seconds: the plain run (sampled: its set-up and the steps it
+        runs) slowed as much as the probe's steps were by our profiler, reading its events
+        back included (a 3 s cell of 1,445 small steps: 9x, where the probe's whole run,
+        mostly unprofiled, said 1.5x)."""
         obs = self.obs
         if first is None:
             return obs.wall_s
         sample = self.sample
+        profiled_step = obs.profiled_step_s()
         if sample is not None and first.lead_s is not None and first.step_s is not None:
             setup = max(0.0, first.lead_s - sample.warmup * first.step_s)
             plain = setup + self._profiled_stop() * first.step_s  # type: ignore[operator]
-            probe_step = self.trace.mean_step_s() if self.trace else None
+            probe_step = profiled_step or (self.trace.mean_step_s() if self.trace else None)
             slowdown = probe_step / first.step_s if probe_step and first.step_s else None
         else:
             plain = first.total_s
-            slowdown = obs.wall_s / first.total_s if not obs.stopped_early else None
+            count = self.trace.count if self.trace is not None else 0
+            if profiled_step and count:
+                slowdown = profiled_step * count / first.total_s
+            else:
+                slowdown = obs.wall_s / first.total_s if not obs.stopped_early else None
         return plain * max(1.0, slowdown or PROBE_SLOWDOWN)
 
     def _run_guess(self, measuring: Measuring, config: Config) -> float:
