@@ -247,6 +247,44 @@ def test_ddp_settings_that_cost_every_step_are_found_and_measured_on_a_rebuilt_w
     assert variant["speedup"] and not variant["error"], variant
 
 
+COMPOSED = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torchtune_magic.checks.ddp_settings import BucketViewFix, FindUnusedFix, plan_for
+from torchtune_magic.engine.discovery import walk
+dist.init_process_group("gloo", init_method="tcp://localhost:%d", rank=0, world_size=1)
+model = DistributedDataParallel(torch.nn.Linear(4, 4), find_unused_parameters=True)
+ns = {"model": model}
+plan = plan_for(model, walk(ns)[id(model)].locations)
+unused = FindUnusedFix({"find_unused_parameters": False}, plan)
+view = BucketViewFix({"gradient_as_bucket_view": True}, plan)
+unused.apply(ns)
+view.apply(ns)
+both = ns["model"]
+assert not both.find_unused_parameters and both.gradient_as_bucket_view
+assert both.module is model.module
+unused.undo()
+assert ns["model"].find_unused_parameters and ns["model"].gradient_as_bucket_view
+ns["model"](torch.randn(2, 4)).sum().backward()  # the rebuilt wrapper trains
+view.undo()
+assert ns["model"] is model
+print("composed")
+"""
+
+
+def test_the_two_wrapper_fixes_compose_and_undo_in_any_order() -> None:
+    """Both settings on one wrapper: the one in place has both, undoing one keeps the
+    other, undoing both puts the user's own object back (one process, gloo)."""
+    done = subprocess.run(
+        [sys.executable, "-c", COMPOSED % _free_port()],
+        capture_output=True,
+        text=True,
+        timeout=HANG_LIMIT_S,
+        env=_env(),
+    )
+    assert done.returncode == 0 and "composed" in done.stdout, done.stderr[-3000:]
+
+
 def test_a_rank_with_a_slow_loader_is_named_and_the_others_wait_for_it(tmp_path: Path) -> None:
     """Rank 1's collate sleeps 10 ms a batch: rank-imbalance names rank 1 and its
     DataLoader, and the rank table shows rank 0 spending its run in the all-reduce."""

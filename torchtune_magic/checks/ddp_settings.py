@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.nn.parallel import DistributedDataParallel
 
 from ..engine import frameworks
-from ..engine.fixes import Fix, Patcher, patched
+from ..engine.fixes import Fix, Patcher, expect, patched, replace_held
 from ..report import CodeChange
 from .base import Detection, size_text
 from .distributed import DistributedCheck, model_name
@@ -43,52 +44,95 @@ if TYPE_CHECKING:
 
 # the same sums over the ranks, bucketed another way
 SETTINGS_TOLERANCE = 1e-5
-# DDP attributes holding its constructor arguments, for a rebuild that keeps them
-_KEPT_ARGUMENTS = {
-    "device_ids": "device_ids",
-    "output_device": "output_device",
-    "dim": "dim",
-    "broadcast_buffers": "broadcast_buffers",
-    "process_group": "process_group",
-    "find_unused_parameters": "find_unused_parameters",
-    "gradient_as_bucket_view": "gradient_as_bucket_view",
-    "static_graph": "static_graph",
-}
+# DDP's attributes that hold its constructor arguments, for a rebuild that keeps them
+_KEPT_ARGUMENTS = (
+    "device_ids",
+    "output_device",
+    "dim",
+    "broadcast_buffers",
+    "process_group",
+    "find_unused_parameters",
+    "gradient_as_bucket_view",
+    "static_graph",
+)
 
 
 class DdpSettingsFix(Fix):
     """The DDP model with other constructor `settings`, kept while applied: rebuilt and
-    rebound at `locations` (a wrapper from before the cell), or given them when the cell
-    builds it (`locations` empty)."""
+    rebound through its `WrapperPlan` (a wrapper from before the cell), or given them when
+    the cell builds it (no plan)."""
 
     tolerance = SETTINGS_TOLERANCE
 
-    def __init__(
-        self,
-        model: DistributedDataParallel,
-        settings: dict[str, Any],
-        locations: list[Location],
-    ):
+    def __init__(self, settings: dict[str, Any], plan: WrapperPlan | None):
         super().__init__()
-        self.model, self.settings, self.locations = model, settings, locations
-        self.seen = [(location, model) for location in locations]
+        self.settings, self.plan = settings, plan
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
-        if not self.locations:
-            return
-        rebuilt = rebuild(self.model, self.settings)
-        for location in self.locations:
-            patcher.rebind(namespace, location, self.model, rebuilt)
+        plan = self.plan
+        if plan is not None:
+            patcher.call(
+                lambda: plan.want(self, self.settings, namespace),
+                lambda: plan.drop(self, namespace, patcher.notes),
+            )
 
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-        if self.locations:
+        if self.plan is not None:
             return contextlib.nullcontext()
-        init = DistributedDataParallel.__init__
+        init = DistributedDataParallel.__init__  # another fix's, when both are applied
         return patched(
             lambda patcher: patcher.setattr(
                 DistributedDataParallel, "__init__", _with_settings(init, self.settings)
             )
         )
+
+
+class WrapperPlan:
+    """Which applied fix wants which settings of one user DDP wrapper.
+
+    The wrapper in place is always the one built with the union of the wanted settings (the
+    user's own when none), so `ddp-find-unused` and `ddp-bucket-view` compose and undo in
+    any order. A rebuilt wrapper is dropped as soon as another takes its place: its reducer
+    holds gradient buckets the size of the model's gradients."""
+
+    def __init__(self, original: DistributedDataParallel, locations: list[Location]):
+        self.original, self.locations = original, locations
+        self.placed = original
+        self.wanted: dict[int, dict[str, Any]] = {}
+
+    def want(self, fix: Fix, settings: dict[str, Any], namespace: dict[str, Any]) -> None:
+        """Rebind to the wrapper with `fix`'s settings added. Raises `fixes.Rebound`, before
+        changing anything, where a place no longer holds the plan's wrapper."""
+        for location in self.locations:
+            expect(namespace, location, self.placed)
+        self.wanted[id(fix)] = settings
+        self._place(namespace, [])
+
+    def drop(self, fix: Fix, namespace: dict[str, Any], notes: list[str]) -> None:
+        """Rebind to the wrapper without `fix`'s settings, except where the user has bound
+        another object since (left there, with a note in `notes`)."""
+        self.wanted.pop(id(fix), None)
+        self._place(namespace, notes)
+
+    def _place(self, namespace: dict[str, Any], notes: list[str]) -> None:
+        merged = {key: value for wanted in self.wanted.values() for key, value in wanted.items()}
+        target = rebuild(self.original, merged) if merged else self.original
+        for location in self.locations:
+            note = replace_held(namespace, location, self.placed, target)
+            if note is not None:
+                notes.append(note)
+        self.placed = target
+
+
+_PLANS: weakref.WeakValueDictionary[int, WrapperPlan] = weakref.WeakValueDictionary()
+
+
+def plan_for(model: DistributedDataParallel, locations: list[Location]) -> WrapperPlan:
+    """The one plan of this wrapper (shared by its fixes, so their settings merge)."""
+    plan = _PLANS.get(id(model))
+    if plan is None or plan.original is not model:
+        plan = _PLANS[id(model)] = WrapperPlan(model, locations)
+    return plan
 
 
 def rebuild(model: DistributedDataParallel, settings: dict[str, Any]) -> DistributedDataParallel:
@@ -98,7 +142,7 @@ def rebuild(model: DistributedDataParallel, settings: dict[str, Any]) -> Distrib
             "the model has a communication hook registered, which a rebuilt wrapper would "
             "not have: change the DDP call instead"
         )
-    arguments = {key: getattr(model, attr) for key, attr in _KEPT_ARGUMENTS.items()}
+    arguments = {name: getattr(model, name) for name in _KEPT_ARGUMENTS}
     arguments["bucket_cap_mb"] = model.bucket_bytes_cap / 2**20
     return DistributedDataParallel(model.module, **{**arguments, **settings})
 
@@ -156,11 +200,11 @@ class _DdpSettingCheck(DistributedCheck):
         fix: Fix | None = None
         change, earlier = _code_change(obs, name, settings)
         if id(model) not in obs.preexisting:
-            fix = self.fix_class(model, settings, [])
+            fix = self.fix_class(settings, None)
         else:
             locations = obs.lasting_locations(model)
             if locations and all(location.rebindable for location in locations):
-                fix = self.fix_class(model, settings, locations)
+                fix = self.fix_class(settings, plan_for(model, locations))
             else:
                 evidence += "; not applied live: no notebook name holds the wrapper to rebind"
         return Detection(
