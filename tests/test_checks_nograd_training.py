@@ -80,7 +80,12 @@ def test_evaluation_through_a_function_from_an_earlier_cell_is_rebound_and_measu
     original = ns["evaluate"]
     report = perfcheck(THROUGH_FUNCTION, ns, checks="no-grad", budget=5)
     (finding,) = report.findings
-    assert finding.where == "evaluate, called at cell line 6 (2 forwards)"
+    # the probe stops at a step boundary after its share of the budget: on a busy machine
+    # that can be in the second epoch, and the finding counts the evaluations it saw
+    sampling = report.sampling
+    seen = 2 if sampling is None or sampling.probe_complete else sampling.probe_steps // 6
+    forwards = "1 forward" if seen == 1 else f"{seen} forwards"
+    assert finding.where == f"evaluate, called at cell line 6 ({forwards})", sampling
     assert finding.code_change.diff == ""
     assert "decorate `def evaluate`" in finding.code_change.elsewhere[0]
     assert_measured_memory_drop_and_identical_training(report)

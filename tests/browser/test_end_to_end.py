@@ -55,7 +55,9 @@ def test_live_panel_and_saved_report_are_one_view_and_keep_every_measurement(
 ) -> None:
     notebook = jupyter_lab.write_notebook(
         "demo.ipynb",
-        ["%load_ext torchtune_magic\n" + demo.SETUP, "%%perfcheck --budget 6\n" + demo.CELL],
+        # 12 s: on a busy machine the browser, the server and another process share the
+        # cores, the cell runs several times slower, and 6 s left a fix without a run
+        ["%load_ext torchtune_magic\n" + demo.SETUP, "%%perfcheck --budget 12\n" + demo.CELL],
     )
     lab.open_notebook(notebook)
     lab.run_cell(0)
