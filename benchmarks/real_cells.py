@@ -13,9 +13,16 @@ budget) and the plain cell again in turns, `--repeats` times, with nothing else 
 
 Per row: the plain cell's time; the whole `%%perfcheck` wait and its parts (the probe and
 checks until the findings showed, the measuring, the cell's complete run); the promise
-(plain + budget + 10 s); and perfcheck's baseline per iteration against the plain cell's
-time per iteration (target: within 5%). Medians over the repeats. Prints a table and writes
-JSON (default benchmarks/results/real_cells.json).
+(plain + budget + 10 s) and the wait beyond the cell's own complete run; and perfcheck's
+baseline, projected to the whole cell, against the plain cell (target: within 5%) and
+against the complete run the same check took right after its rounds (back to back, so the
+machine's drift between separate runs does not enter it). Medians over the repeats.
+
+This machine's speed wanders by 10-15% from one run of a few seconds to the next (two
+shared cores), so the plain cell is timed in blocks of at least PLAIN_BLOCK_S between the
+checks (plain, check, plain, check, ..., plain), and each check is held against the median
+of the blocks on both sides of it. Prints a table and writes JSON (default
+benchmarks/results/real_cells.json).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 BUDGET_S = 20.0  # the default --budget
 SLACK_S = 10.0  # the promise: plain + budget + this
+PLAIN_BLOCK_S = 6.0  # the plain cell is run at least this long between two checks
 
 DATA = """
 import random
@@ -180,16 +188,26 @@ CASES = [
 
 @dataclass
 class Run:
-    """One `%%perfcheck` of the cell, and the plain run next to it."""
+    """One `%%perfcheck` of the cell, and the plain blocks on both sides of it."""
 
-    plain_s: float
+    plain_s: float  # median of the plain runs in the blocks before and after this check
     wait_s: float
     findings_s: float  # the probe and the checks, until the findings were out
     measuring_s: float  # from the findings to the last number
     complete_s: float  # the cell's complete run (0 when the probe ran it whole)
-    baseline_per_step_s: float | None
+    baseline_cell_s: float | None  # perfcheck's baseline, projected to the whole cell
     unit: str | None
     steps: int
+
+    @property
+    def promise_s(self) -> float:
+        return self.plain_s + BUDGET_S + SLACK_S
+
+    @property
+    def beyond_s(self) -> float:
+        """The wait beyond the cell's own complete run (the probe stands for it when it
+        ran the whole cell): perfcheck's overhead, free of the drift of a separate run."""
+        return self.wait_s - (self.complete_s or self.findings_s)
 
 
 @dataclass
@@ -204,18 +222,24 @@ class Row:
         return statistics.median(values) if values else float("nan")
 
     @property
-    def promise_s(self) -> float:
-        return self.median("plain_s") + BUDGET_S + SLACK_S
+    def promise_kept(self) -> bool:
+        return all(run.wait_s <= run.promise_s for run in self.runs)
 
     @property
     def baseline_apart(self) -> float:
-        """|perfcheck's baseline per iteration / the plain cell's - 1|, by medians."""
-        plain = self.median("plain_s") / self.steps
-        return abs(self.median("baseline_per_step_s") / plain - 1)
+        """|perfcheck's baseline for the whole cell / the plain cell's time - 1|, by medians."""
+        return abs(self.median("baseline_cell_s") / self.median("plain_s") - 1)
 
     @property
-    def promise_kept(self) -> bool:
-        return all(run.wait_s <= run.plain_s + BUDGET_S + SLACK_S for run in self.runs)
+    def baseline_apart_paired(self) -> float | None:
+        """The same against the complete run each check took right after its rounds
+        (median of the per-check ratios); None when the probe ran the cell whole."""
+        ratios = [
+            run.baseline_cell_s / run.complete_s
+            for run in self.runs
+            if run.baseline_cell_s is not None and run.complete_s
+        ]
+        return abs(statistics.median(ratios) - 1) if ratios else None
 
 
 @contextlib.contextmanager
@@ -290,61 +314,70 @@ def _checked(shell: Any, case: Case, steps: int) -> Run:
     run = report.cell_run
     complete = run.seconds if run is not None and run.status == "complete" and run.seconds else 0.0
     sampling = report.sampling
-    per_step = report.baseline.median_s
-    if per_step is not None and sampling is None:
-        per_step /= steps
+    whole = report.baseline.median_s
+    if whole is not None and sampling is not None:  # sampled: seconds per step
+        whole *= steps
     return Run(
         plain_s=0.0,
         wait_s=wait,
         findings_s=seen.get("findings", wait),
         measuring_s=seen.get("numbers", wait) - seen.get("findings", 0.0),
         complete_s=complete,
-        baseline_per_step_s=per_step,
+        baseline_cell_s=whole,
         unit=sampling.unit if sampling else None,
         steps=steps,
     )
 
 
+def _plain_block(shell: Any, case: Case, steps: int) -> list[float]:
+    """Plain runs of the cell, at least PLAIN_BLOCK_S of them."""
+    runs = [_plain(shell, case, steps)]
+    while sum(runs) < PLAIN_BLOCK_S:
+        runs.append(_plain(shell, case, steps))
+    return runs
+
+
 def measure(shell: Any, case: Case, kind: str, steps: int, repeats: int) -> Row:
-    """The plain cell is timed on both sides of each check, and short cells several times
-    (3 s of plain runs a side at least), since this machine's speed drifts by tens of
-    percent for a second at a time: one 1 s plain run is not the cell's own time."""
+    """Plain blocks and checks in turns (plain, check, plain, ..., check, plain): each check
+    is held against the plain runs on both sides of it."""
     row = Row(f"{case.name} ({case.target_s:g} s)", kind, steps)
-    plain_runs = max(1, round(3.0 / case.target_s))
     with load(kind):
-        for _ in range(repeats):  # in turns: the plain cell, %%perfcheck, the plain cell
-            before = [_plain(shell, case, steps) for _ in range(plain_runs)]
+        before = _plain_block(shell, case, steps)
+        for _ in range(repeats):
             run = _checked(shell, case, steps)
-            after = [_plain(shell, case, steps) for _ in range(plain_runs)]
-            plain = statistics.median(before + after)
-            run.plain_s = plain
+            after = _plain_block(shell, case, steps)
+            run.plain_s = statistics.median(before + after)
+            before = after
             row.runs.append(run)
             print(
-                f"  {row.case:34} {kind:5}: plain {plain:6.1f} s, %%perfcheck {run.wait_s:6.1f} s "
-                f"(findings {run.findings_s:.1f}, numbers +{run.measuring_s:.1f}, complete "
-                f"{run.complete_s:.1f}), baseline/step "
-                f"{(run.baseline_per_step_s or 0) * 1e3:.3f} ms vs plain "
-                f"{plain / steps * 1e3:.3f} ms",
+                f"  {row.case:34} {kind:5}: plain {run.plain_s:6.1f} s, %%perfcheck "
+                f"{run.wait_s:6.1f} s (findings {run.findings_s:.1f}, numbers "
+                f"+{run.measuring_s:.1f}, complete {run.complete_s:.1f}), baseline "
+                f"{run.baseline_cell_s or 0:.2f} s",
                 flush=True,
             )
     return row
 
 
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
 def table(rows: list[Row]) -> str:
     lines = [
-        "| cell | load | plain | %%perfcheck wait | findings | numbers | complete run | "
-        "promise (plain + budget + 10 s) | kept | baseline vs plain per iteration |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | load | checks | plain | %%perfcheck wait | findings | numbers | complete run "
+        "| beyond the complete run | promise (plain + budget + 10 s) | kept | baseline "
+        "(whole cell) | apart from plain | apart from its complete run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        plain_step = row.median("plain_s") / row.steps
         lines.append(
-            f"| {row.case} | {row.load} | {row.median('plain_s'):.1f} s | "
+            f"| {row.case} | {row.load} | {len(row.runs)} | {row.median('plain_s'):.1f} s | "
             f"{row.median('wait_s'):.1f} s | {row.median('findings_s'):.1f} s | "
             f"+{row.median('measuring_s'):.1f} s | {row.median('complete_s'):.1f} s | "
-            f"{row.promise_s:.1f} s | {'yes' if row.promise_kept else 'NO'} | "
-            f"{row.median('baseline_per_step_s') * 1e3:.3f} vs {plain_step * 1e3:.3f} ms "
-            f"({row.baseline_apart:.1%} apart) |"
+            f"{row.median('beyond_s'):.1f} s | {row.median('promise_s'):.1f} s | "
+            f"{'yes' if row.promise_kept else 'NO'} | {row.median('baseline_cell_s'):.2f} s | "
+            f"{_percent(row.baseline_apart)} | {_percent(row.baseline_apart_paired)} |"
         )
     return "\n".join(lines)
 
@@ -354,14 +387,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=HERE / "results" / "real_cells.json")
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--long-repeats",
+        type=int,
+        default=None,
+        help="repeats of the 60 s cell (default: --repeats)",
+    )
     parser.add_argument("--loads", default="quiet,busy")
     args = parser.parse_args()
     shell = _shell()
     rows = []
     for case in CASES:
         steps = _calibrate(shell, case, args.scale)
+        long = case.target_s >= 60 and args.long_repeats is not None
+        repeats = args.long_repeats if long else args.repeats
         for kind in args.loads.split(","):
-            rows.append(measure(shell, case, kind, steps, args.repeats))
+            rows.append(measure(shell, case, kind, steps, repeats))
     print(table(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
@@ -370,11 +411,13 @@ def main() -> None:
                 "budget_s": BUDGET_S,
                 "scale": args.scale,
                 "repeats": args.repeats,
+                "long_repeats": args.long_repeats or args.repeats,
                 "rows": [
                     {
                         **asdict(row),
                         "promise_kept": row.promise_kept,
                         "baseline_apart": row.baseline_apart,
+                        "baseline_apart_paired": row.baseline_apart_paired,
                     }
                     for row in rows
                 ],
