@@ -49,14 +49,17 @@ def ids(session: Session) -> list[str]:
 
 def test_cuts_measured_peak_memory_on_a_deep_residual_mlp():
     ns = namespace()
+    # 8 s: the profiled runs that read each peak need room beside the rounds; with 3 s a
+    # busy machine left the checkpointed peak unmeasured ("raise --budget to have them")
     report = torchtune_magic.perfcheck(
-        STEP, ns, checks="activation-checkpointing", memory=True, budget=3
+        STEP, ns, checks="activation-checkpointing", memory=True, budget=8
     )
     found = report.finding("activation-checkpointing")
     assert found is not None and "12 × Residual" in found.evidence
     assert "--memory" in found.evidence and "slower" in found.caveat
     variant = report.variant_for(["activation-checkpointing"])
     assert variant.error is None
+    assert variant.peak_memory_bytes is not None, report.warnings
     assert report.baseline.peak_memory_bytes >= 2 * variant.peak_memory_bytes
     assert variant.speedup is not None  # the time cost is measured and reported too
     assert variant.numerics.verdict in ("identical", "close")
