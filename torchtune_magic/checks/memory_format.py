@@ -187,19 +187,22 @@ class ConvShare:
 
 def conv_share(obs: Observation, model: torch.nn.Module, convs: list[torch.nn.Conv2d]) -> ConvShare:
     """The convolutions' share of the cell's time (the probe's profiler self time of conv
-    ops, on CPU), else their share of the model's conv and linear FLOPs."""
+    ops, on CPU), held to their share of the model's conv and linear FLOPs: on a busy
+    machine a thread taken off its core holds up the whole op, and a ViT's lone
+    patch-embedding conv read over 10% of the profiled time (2% of the FLOPs). Without op
+    times, the FLOPs share alone."""
+    flops, total = flops_share(obs, model, convs)
     if obs.device == "cpu" and obs.op_totals and obs.profiled_s > 0:
         seconds = sum(us for op, (_, us) in obs.op_totals.items() if _is_conv_op(op)) / 1e6
         share = seconds / obs.profiled_s
         return ConvShare(
-            share,
+            min(share, flops),
             f"convolutions took {_ms(seconds)} of {obs.profiled_text(_ms)} ({share:.0%}, "
-            "profiler self time of the convolution ops)",
+            f"profiler self time of the convolution ops; {flops:.0%} of its FLOPs)",
         )
-    share, total = flops_share(obs, model, convs)
     return ConvShare(
-        share,
-        f"convolutions are {share:.0%} of its conv and linear FLOPs ({total / 1e9:.2f} "
+        flops,
+        f"convolutions are {flops:.0%} of its conv and linear FLOPs ({total / 1e9:.2f} "
         "GFLOP forward, from the shapes seen: no op times in this run)",
     )
 
@@ -259,10 +262,6 @@ class ChannelsLastCheck(Check):
             share = conv_share(obs, model, called)
             if share.share < MIN_CONV_SHARE:
                 continue  # e.g. a ViT's patch embedding: nothing to gain for this cell
-            if flops_share(obs, model, called)[0] < MIN_CONV_SHARE:
-                # a busy machine can stretch one conv's profiled time (a thread taken off
-                # its core holds up the whole op): a ViT's patch embedding read over 10%
-                continue
             timings = conv_timings(obs, called)
             # one finding per id: the first model on NCHW input whose convs matter
             return [self._detection(obs, model, use.input_nchw_4d, called, timings, share)]
