@@ -191,7 +191,7 @@ def conv_share(obs: Observation, model: torch.nn.Module, convs: list[torch.nn.Co
     machine a thread taken off its core holds up the whole op, and a ViT's lone
     patch-embedding conv read over 10% of the profiled time (2% of the FLOPs). Without op
     times, the FLOPs share alone."""
-    flops, total = flops_share(obs, model, convs)
+    flops, total = _flops_share(obs, model, convs)
     if obs.device == "cpu" and obs.op_totals and obs.profiled_s > 0:
         seconds = sum(us for op, (_, us) in obs.op_totals.items() if _is_conv_op(op)) / 1e6
         share = seconds / obs.profiled_s
@@ -207,7 +207,7 @@ def conv_share(obs: Observation, model: torch.nn.Module, convs: list[torch.nn.Co
     )
 
 
-def flops_share(
+def _flops_share(
     obs: Observation, model: torch.nn.Module, convs: list[torch.nn.Conv2d]
 ) -> tuple[float, float]:
     """The convolutions' share of the model's conv and linear forward FLOPs, and that total.
@@ -245,9 +245,8 @@ class ChannelsLastCheck(Check):
     threshold = (
         f"convolutions ≥ {MIN_CONV_SHARE:.0%} of the cell's time and of the model's conv + "
         "linear FLOPs (without op times, e.g. on CUDA: of the FLOPs); 2-core CPU: a ViT's "
-        "lone patch-embedding "
-        "conv was 2-3% of its step (2% of its FLOPs), channels_last 0.95-1.01x; conv CNNs "
-        "36-78%, up to 1.33x"
+        "lone patch-embedding conv was 2-3% of its step (2% of its FLOPs), channels_last "
+        "0.95-1.01x; conv CNNs 36-78%, up to 1.33x"
     )
 
     def detect(self, obs: Observation) -> list[Detection]:
