@@ -17,7 +17,7 @@ rebuilt around the same module (the same parameter tensors: the optimizer needs 
 and rebound where the notebook holds it; undo rebinds the user's own. A DDP the cell builds
 (its own `DistributedDataParallel(...)`, Lightning's strategy, the Hugging Face Trainer) gets
 the setting at its construction in each run. Either way every rank applies it together:
-building DDP is a collective.
+the wrappers' all-reduces must pair up.
 """
 
 from __future__ import annotations
@@ -44,17 +44,20 @@ if TYPE_CHECKING:
 
 # the same sums over the ranks, bucketed another way
 SETTINGS_TOLERANCE = 1e-5
-# DDP's attributes that hold its constructor arguments, for a rebuild that keeps them
+# DDP's attributes that hold its constructor arguments, for a rebuild that keeps them (those
+# this torch's DDP takes: the last two are recent)
 _KEPT_ARGUMENTS = (
     "device_ids",
     "output_device",
     "dim",
-    "broadcast_buffers",
     "process_group",
     "find_unused_parameters",
     "gradient_as_bucket_view",
     "static_graph",
+    "skip_all_reduce_unused_params",
+    "batched_grad_copy",
 )
+_DDP_PARAMETERS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
 class DdpSettingsFix(Fix):
@@ -142,9 +145,28 @@ def rebuild(model: DistributedDataParallel, settings: dict[str, Any]) -> Distrib
             "the model has a communication hook registered, which a rebuilt wrapper would "
             "not have: change the DDP call instead"
         )
-    arguments = {name: getattr(model, name) for name in _KEPT_ARGUMENTS}
+    arguments = {
+        name: getattr(model, name)
+        for name in _KEPT_ARGUMENTS
+        if name in _DDP_PARAMETERS and hasattr(model, name)
+    }
     arguments["bucket_cap_mb"] = model.bucket_bytes_cap / 2**20
+    arguments.update(_buffer_sync(model))
     return DistributedDataParallel(model.module, **{**arguments, **settings})
+
+
+def _buffer_sync(model: DistributedDataParallel) -> dict[str, Any]:
+    """The user's buffer syncing, in the arguments this torch takes without a warning.
+
+    torch 2.13 deprecates `broadcast_buffers` (a FutureWarning on every construction that
+    passes it) for `forward_sync_buffers`, which syncs the buffers in each forward only: the
+    sync at construction is `init_sync`'s, and it always includes the buffers. A rebuilt
+    wrapper needs none: its module is the one the user's wrapper synced when it was built and
+    has kept in step since, and a rank-local buffer (`broadcast_buffers=False`) must stay
+    this rank's, not become rank 0's."""
+    if "forward_sync_buffers" not in _DDP_PARAMETERS:
+        return {"broadcast_buffers": model.broadcast_buffers}
+    return {"forward_sync_buffers": model.forward_sync_buffers, "init_sync": False}
 
 
 def _with_settings(init: Callable[..., None], settings: dict[str, Any]) -> Callable[..., None]:
