@@ -368,7 +368,10 @@ def test_copy_lines_get_non_blocking_and_constructor_pin_memory():
             "DataLoader(ds, 8, True, None, None, 0)",
             "DataLoader(ds, 8, True, None, None, 2, persistent_workers=True)",
         ),
-        ("DataLoader(\n    ds,\n)", "DataLoader(\n    ds, num_workers=2, persistent_workers=True)"),
+        (
+            "DataLoader(\n    ds,\n)",
+            "DataLoader(\n    ds,\n    num_workers=2,\n    persistent_workers=True,\n)",
+        ),
     ],
 )
 def test_constructor_edit(call: str, expected: str):

@@ -24,8 +24,9 @@ def class_names(loader: DataLoader) -> set[str]:
 
 
 def non_blocking_edit(source: str, lines: set[int]) -> str:
-    """`.to(...)` / `.cuda(...)` calls on these cell lines, given non_blocking=True."""
-    for line in sorted(lines):
+    """`.to(...)` / `.cuda(...)` calls on these cell lines, given non_blocking=True (the
+    last line first: a call written one argument per line gets a line more)."""
+    for line in sorted(lines, reverse=True):
         tree = ast.parse(source)
         for call in codeedit.calls_named(tree, {"to", "cuda"}):
             if call.lineno == line and not any(k.arg == "non_blocking" for k in call.keywords):
