@@ -117,100 +117,100 @@ def edit(
 ) -> str | None:
     """The cell with each region under `header:` (`with torch.autocast(...)`); with
     `scaler`, also the GradScaler's calls. None when a scaler call has no clear place
-    (an optimizer stepped with a closure, or stepped outside the cell)."""
-    lines = source.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
+    (an optimizer stepped with a closure, or stepped outside the cell). The edits are made
+    on the cell's libcst tree, so comments and layout stay; EditError where one cannot be."""
     if scaler is not None and (
         len(found) != len(_backward_calls(tree))
         or not all(isinstance(r.backward, ast.Expr) and r.backward.value is r.call for r in found)
     ):
         return None  # a backward without its own region, or inside a larger statement
-    edits: list[tuple[int, int, list[str]]] = []  # (first line, last line, new lines)
+    edits = codeedit.Tree(source)
     for region in found:
-        edits.append(_wrapped(source, lines, region, header, loss_name, scaler))
+        _wrap(edits, region, header, loss_name, scaler)
     if scaler is not None:
-        steps = _scaler_edits(source, tree, lines, scaler)
-        if steps is None:
+        if not _scaler_edits(edits, tree, scaler):
             return None
-        edits.extend(steps)
         top = codeedit.top_statement_at(tree, found[0].first)
-        at = min([top.lineno, *(d.lineno for d in getattr(top, "decorator_list", []))])
-        creation = f'{scaler.name} = torch.amp.GradScaler("{scaler.device}")\n'
-        edits.append((at, at - 1, [creation]))
-    for first, last, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
-        lines[first - 1 : last] = new
-    return "".join(lines)
+        creation = f'{scaler.name} = torch.amp.GradScaler("{scaler.device}")'
+        _insert(edits, edits.member_of(edits.node_for(top)), creation)
+    return edits.code()
 
 
-def _wrapped(
-    source: str,
-    lines: list[str],
-    region: Region,
-    header: str,
-    loss_name: str,
-    scaler: Scaler | None,
-) -> tuple[int, int, list[str]]:
-    """The region's lines under `header:`, and the backward line when it is split or scaled."""
-    indent = _indent(lines[region.first - 1])
-    body_last = region.backward.lineno - 1 if region.split else region.last
-    body = ["    " + line if line.strip() else line for line in lines[region.first - 1 : body_last]]
-    call = region.call
-    receiver = call.func.value  # type: ignore[attr-defined]
-    receiver_text = ast.get_source_segment(source, receiver) or ast.unparse(receiver)
-    new = [f"{indent}{header}:\n", *body]
-    if region.split:  # continuation lines move in with the block
-        moved = receiver_text.replace("\n", "\n    ")
-        new.append(f"{indent}    {loss_name} = {moved}\n")
-        receiver_text = loss_name
-    elif scaler is None:
-        return region.first, region.last, new
-    call_text = ast.get_source_segment(source, call) or ast.unparse(call)
-    func_text = ast.get_source_segment(source, call.func) or ast.unparse(call.func)
-    arguments = call_text[len(func_text) :]
+def _wrap(
+    edits: codeedit.Tree, region: Region, header: str, loss_name: str, scaler: Scaler | None
+) -> None:
+    """The region's statements under `header:`; a backward called on an expression is
+    split (the expression bound to `loss_name` inside the block, backward called on that
+    name after it); with `scaler`, backward is called on `scaler.scale(loss)`."""
+    import libcst as cst
+
+    first, last = edits.run(region.first, region.last)
+    call = edits.node_for(region.call)
+    receiver = call.func.value
+    if not region.split:
+        edits.wraps[first] = codeedit.Wrap(last, header)
+        if scaler is not None:
+            edits.nodes[call] = lambda c: c.with_changes(
+                func=c.func.with_changes(value=_scaled(c.func.value, scaler))
+            )
+        return
+    line = edits.member_of(call)
+    if "\n" not in cst.Module([]).code_for_node(receiver):  # parentheses carry line breaks
+        receiver = receiver.with_changes(lpar=[], rpar=[])
+    bound = cst.Assign([cst.AssignTarget(cst.Name(loss_name))], receiver)
+    called_on: Any = cst.Name(loss_name)
     if scaler is not None:
-        receiver_text = f"{scaler.name}.scale({receiver_text})"
-    backward_indent = _indent(lines[region.backward.lineno - 1])
-    new.append(f"{backward_indent}{receiver_text}.backward{arguments}\n")
-    if not region.split:  # the lines between the region and the backward stay as they are
-        new[len(body) + 1 : len(body) + 1] = lines[region.last : region.backward.lineno - 1]
-    return region.first, _end(region.backward), new
+        called_on = _scaled(called_on, scaler)
+    backward = call.with_changes(func=call.func.with_changes(value=called_on))
+    after = line.deep_replace(call, backward).with_changes(leading_lines=[])
+    edits.members[line] = lambda old: [cst.SimpleStatementLine([bound], old.leading_lines)]
+    edits.wraps[first] = codeedit.Wrap(line, header, (after,))
 
 
-def _scaler_edits(
-    source: str, tree: ast.Module, lines: list[str], scaler: Scaler
-) -> list[tuple[int, int, list[str]]] | None:
+def _scaled(receiver: Any, scaler: Scaler) -> Any:
+    """`scaler.scale(receiver)` as a libcst expression."""
+    import libcst as cst
+
+    return cst.Call(codeedit.expression(f"{scaler.name}.scale"), [cst.Arg(receiver)])
+
+
+def _insert(edits: codeedit.Tree, member: Any, text: str) -> None:
+    """`text` as statements right before the block statement `member`."""
+    edits.inserts.setdefault(member, []).extend(codeedit.statements(text))
+
+
+def _scaler_edits(edits: codeedit.Tree, tree: ast.Module, scaler: Scaler) -> bool:
     """`opt.step()` becomes `scaler.step(opt)` and `scaler.update()`; clipping gradients
-    is preceded by `scaler.unscale_(opt)`."""
-    edits = []
+    is preceded by `scaler.unscale_(opt)`. False where a step has no clear place (a closure,
+    a step inside an expression or sharing its line, no step in the cell)."""
+    import libcst as cst
+
+    steps = 0
     for call in codeedit.calls_named(tree, {"step"}):
         if codeedit.dotted_name(call.func) != f"{scaler.optimizer}.step":
             continue
         statement = codeedit.statement_of(tree, call)
         if call.args or call.keywords or not isinstance(statement, ast.Expr):
-            return None  # a closure, or a step inside an expression
+            return False  # a closure, or a step inside an expression
         if statement.value is not call:
-            return None
-        indent = _indent(lines[statement.lineno - 1])
-        edits.append(
-            (
-                statement.lineno,
-                _end(statement),
-                [
-                    f"{indent}{scaler.name}.step({scaler.optimizer})\n",
-                    f"{indent}{scaler.name}.update()\n",
-                ],
-            )
+            return False
+        line = edits.member_of(edits.node_for(statement))
+        if not isinstance(line, cst.SimpleStatementLine) or len(line.body) != 1:
+            return False
+        step, update = codeedit.statements(
+            f"{scaler.name}.step({scaler.optimizer})\n{scaler.name}.update()"
         )
-    if not edits:
-        return None
+        edits.members[line] = lambda old, step=step, update=update: [
+            old.with_changes(body=step.body),
+            update,
+        ]
+        steps += 1
     for call in codeedit.calls_named(tree, set(CLIP_CALLS)):
         statement = codeedit.statement_of(tree, call)
         if statement is not None:
-            indent = _indent(lines[statement.lineno - 1])
-            unscale = f"{indent}{scaler.name}.unscale_({scaler.optimizer})\n"
-            edits.append((statement.lineno, statement.lineno - 1, [unscale]))
-    return edits
+            member = edits.member_of(edits.node_for(statement))
+            _insert(edits, member, f"{scaler.name}.unscale_({scaler.optimizer})")
+    return steps > 0
 
 
 def free_name(tree: ast.Module, namespace: dict[str, Any], *choices: str) -> str:
@@ -296,10 +296,6 @@ def _bound_names(node: ast.stmt) -> set[str]:
             if isinstance(child, ast.stmt):
                 names |= _bound_names(child)
     return names
-
-
-def _indent(line: str) -> str:
-    return line[: len(line) - len(line.lstrip())]
 
 
 def _end(node: ast.AST) -> int:
