@@ -31,6 +31,7 @@ from .session import Session
 _sessions: weakref.WeakSet[Session] = weakref.WeakSet()
 _holding_fixes: list[Session] = []
 _latest: Session | None = None  # for `%perfcheck insert` (replaced by the next run)
+PANEL = "the panel"  # the part of ours a failing live panel is reported under
 
 
 def _panel_unavailable(shell: Any) -> str | None:
@@ -196,16 +197,19 @@ class PerfcheckMagics(Magics):
         _sessions.add(session)
         _latest = session
         panel = None
+        guarded = session.failures.guarded
         if live:
             from .render.widget import Panel
 
             panel = Panel.measuring(self.shell, session.run_id)
-            session.progress, session.on_report = panel.progress, panel.update
+            session.progress = guarded(PANEL, panel.progress)
+            session.on_report = guarded(PANEL, panel.update)
         elif not options.quiet:
             from .render.static_display import StaticDisplay
 
             view = StaticDisplay(in_place=getattr(self.shell, "kernel", None) is not None)
-            session.progress, session.on_report = view.progress, view.report
+            session.progress = guarded("rendering", view.progress)
+            session.on_report = guarded("rendering", view.report)
         try:
             report = session.run()
         except BaseException as error:
@@ -215,7 +219,7 @@ class PerfcheckMagics(Magics):
                 if session.report is None:
                     panel.close()
                 else:
-                    panel.attach(session, session.report)
+                    _attach(panel, session, session.report)
             if session.applied_ids:
                 _holding_fixes.append(session)
             if isinstance(error, CellError):
@@ -227,7 +231,7 @@ class PerfcheckMagics(Magics):
         if session.applied_ids:
             _holding_fixes.append(session)
         if panel is not None:
-            panel.attach(session, report)
+            report = _attach(panel, session, report)
         return report
 
     def _line_command(self, words: list[str]) -> None:
@@ -264,6 +268,23 @@ class PerfcheckMagics(Magics):
             f"%perfcheck {shlex.quote(command)}: use `%perfcheck list`, `%perfcheck revert`, "
             "`%perfcheck insert`, or `%%perfcheck [options]` on top of a cell"
         )
+
+
+def _attach(panel: Any, session: Session, report: Report) -> Report:
+    """Bind the panel to its session; where the panel failed (a bug of ours), the report,
+    with that failure in it, is shown without the panel instead."""
+    with session.failures.part(PANEL):
+        panel.attach(session, report)
+    if not session.failures.failed(PANEL):
+        return report
+    from IPython.display import display
+
+    from .render import bundle
+
+    session.on_report = None  # the panel cannot show it
+    report = session.current_report()
+    display(bundle.render(report), raw=True)
+    return report
 
 
 def _inserted_text(

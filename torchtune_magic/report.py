@@ -7,6 +7,7 @@ a saved report can be loaded and rendered anywhere.
 from __future__ import annotations
 
 import json
+import traceback
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -255,6 +256,25 @@ class OutOfMemory:
 
 
 @dataclass
+class OwnFailure:
+    """A failure of perfcheck's own machinery, caught at the part where it happened (the
+    cell's own exceptions are never these): the rest of the report still stands."""
+
+    part: str  # e.g. "check channels-last", "measuring", "numerics", "the panel"
+    reason: str  # one line: the exception's type and message
+    traceback: str = ""  # perfcheck's traceback, for a bug report (folded in the views)
+
+    @classmethod
+    def of(cls, part: str, error: BaseException) -> OwnFailure:
+        """The failure `error` raised in `part`: its type and first message line, and its
+        traceback."""
+        message = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {message[0]}" if message else type(error).__name__
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return cls(part, reason, text)
+
+
+@dataclass
 class Sampling:
     """How a long cell was measured: every measuring run (baseline and each variant) stopped
     at the same step, after the same warm-up steps; times are then per step."""
@@ -318,6 +338,7 @@ class Report:
     recommended: list[str] | None = None
     load: MachineLoad | None = None  # other processes' CPU time while measuring
     distributed: Distributed | None = None  # measured under torchrun, over these ranks
+    failures: list[OwnFailure] = field(default_factory=list)  # perfcheck's own, contained
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -353,6 +374,8 @@ class Report:
         for key in (*optional, "distributed"):
             if data[key] is None:
                 del data[key]
+        if not data["failures"]:
+            del data["failures"]  # optional: a report without them reads as before
         for finding in data["findings"]:
             change = finding.get("code_change")
             if change is not None and not change["cells"]:
@@ -412,6 +435,7 @@ class Report:
             recommended=data.get("recommended"),
             load=MachineLoad(**data["load"]) if data.get("load") else None,
             distributed=_distributed(data.get("distributed")),
+            failures=[OwnFailure(**f) for f in data.get("failures", [])],
         )
 
     def __repr__(self) -> str:

@@ -21,7 +21,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from .report import MIME_TYPE, Report
+from .report import MIME_TYPE, OwnFailure, Report
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -83,7 +83,13 @@ def _logging_client(client_class: type, log: ReportLog) -> type:
         def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
             data = msg.get("content", {}).get("data") or {}
             if msg.get("msg_type") in ("display_data", "update_display_data") and MIME_TYPE in data:
-                log.seen(cell_index + 1, data[MIME_TYPE])
+                try:
+                    log.seen(cell_index + 1, data[MIME_TYPE])
+                except Exception as error:  # a bug of ours: the notebook runs on
+                    from .render.summary import own_failure_line
+
+                    failure = OwnFailure.of("the progress log", error)
+                    log.write(f"cell {cell_index + 1}: {own_failure_line(failure)}")
             return super().process_message(msg, cell, cell_index)
 
     return LoggingClient
@@ -204,11 +210,12 @@ def write_json(reports: list[CellReport], folder: str | Path, stem: str) -> list
 
 def html_page(reports: list[CellReport], title: str) -> str:
     """One standalone page with every report, each under the code of its cell."""
-    from .render import html
+    from .render import bundle
 
     sections = "".join(
         f"<section><h2>cell {r.cell}</h2><details><summary>cell code</summary>"
-        f"<pre>{escape(r.source)}</pre></details>{html.render(r.report)}</section>"
+        f"<pre>{escape(r.source)}</pre></details>{bundle.render(r.report)['text/html']}"
+        "</section>"
         for r in reports
     )
     body = sections or "<p>No %%perfcheck report in this notebook.</p>"

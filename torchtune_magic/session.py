@@ -26,7 +26,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .checks import Detection, registry
+from .checks import Check, Detection, registry
 from .engine import (
     applied,
     cellchanges,
@@ -36,6 +36,7 @@ from .engine import (
     launchers,
     lockstep,
     oom,
+    own_failures,
     plain_stack,
     probe,
     state,
@@ -101,6 +102,9 @@ class Session:
         self.detections: list[Detection] = []
         self.not_applicable: list[NotApplicable] = []
         self.warnings: list[str] = []
+        # perfcheck's own failures after the probe, each contained at its part: the cell
+        # never fails for them, and the report says which part failed and why
+        self.failures = own_failures.OwnFailures()
         self.report: Report | None = None
         self.step_trace: probe.StepTrace | None = None
         self.step_count: steps.StepCount | None = None
@@ -159,18 +163,20 @@ class Session:
             self.publish(self._build_report(phase="done"))
             raise self._out_of_memory
         self.publish(self._build_report(phase="measuring"))
-        with self._interrupt_said():
-            report = self.measure()
+        with self._interrupt_said(), self.failures.part("measuring"):
+            self.measure()
         if not self.options.finish:  # before --apply: its fixes then stay on that state
             self._back_to_start()
         fixable = [d.finding.id for d in self.fixable]
-        for check_id in applied.requested(self.options.apply, fixable, report.variants):
-            try:
-                self.applied_fixes.apply(check_id, self.fix_for(check_id))
-            except fixes.FixError as error:
-                self.warnings.append(f"--apply {check_id}: not applied: {error.reason}")
+        measured = self.report.variants if self.report is not None else []
+        for check_id in applied.requested(self.options.apply, fixable, measured):
+            with self.failures.part(f"--apply {check_id}"):
+                try:
+                    self.applied_fixes.apply(check_id, self.fix_for(check_id))
+                except fixes.FixError as error:
+                    self.warnings.append(f"--apply {check_id}: not applied: {error.reason}")
         self.finish()
-        return self.report or report
+        return self.report  # type: ignore[return-value]  # set by publish
 
     @contextmanager
     def _interrupt_said(self) -> Iterator[None]:
@@ -301,20 +307,27 @@ class Session:
         # a cell that changed what no restore can put back is not run again, trials included
         obs.trials_s = 0.0 if self._runs_once else TRIALS_SHARE * self.options.budget
         self.detections, self.not_applicable = [], []
-        for check in registry.all_checks():
-            if not self.options.wants(check.id):
-                continue
-            reason = check.not_applicable(obs)
-            if reason is None and self.ranks is not None:
-                reason = check.not_applicable_under_torchrun()
-            if reason is not None:
-                self.not_applicable.append(NotApplicable(check.id, reason))
-                continue
-            self.detections.extend(check.detect(obs))
-        if self.ranks is not None:
-            self.detections = self._found_on_every_rank(self.detections)
-        cellchanges.attach_cell_changes(self.workload, self.detections)
+        with self.failures.part("detection"):
+            for check in registry.all_checks():
+                if self.options.wants(check.id):
+                    with self.failures.part(f"check {check.id}"):
+                        self._run_check(check, obs)
+            if self.ranks is not None:
+                self.detections = self._found_on_every_rank(self.detections)
+        for detection in self.detections:
+            with self.failures.part(f"code change for {detection.finding.id}"):
+                cellchanges.attach_cell_changes(self.workload, [detection])
         return self.detections
+
+    def _run_check(self, check: Check, obs: probe.Observation) -> None:
+        """One check's findings, or why it does not apply here."""
+        reason = check.not_applicable(obs)
+        if reason is None and self.ranks is not None:
+            reason = check.not_applicable_under_torchrun()
+        if reason is not None:
+            self.not_applicable.append(NotApplicable(check.id, reason))
+        else:
+            self.detections.extend(check.detect(obs))
 
     def _found_on_every_rank(self, detections: list[Detection]) -> list[Detection]:
         """Under torchrun, the findings every rank made (each rank's fix is applied on
@@ -352,7 +365,9 @@ class Session:
         self.cell_run = CellRun("running", fixes=ids)
         self.publish(self._build_report(phase="finishing"))
         applied = self.applied_fixes.fixes()
-        counter = self._finish_counter()
+        counter = self.failures.call(
+            "counting the complete run's steps", self._finish_counter, default=None
+        )
         started = time.perf_counter()
         try:
             with (
@@ -450,6 +465,13 @@ class Session:
         notes = self.applied_fixes.revert_all()
         self._publish_applied()
         return notes
+
+    def current_report(self) -> Report:
+        """The report as it stands now (its numbers as they stand, failures and the applied
+        fixes as they are now), published."""
+        phase = self.report.phase if self.report is not None else "measuring"
+        self.publish(self._build_report(phase=phase))
+        return self.report  # type: ignore[return-value]  # set by publish
 
     def _publish_applied(self) -> None:
         """The saved report follows the applied state: republish the current report (its
@@ -550,6 +572,7 @@ class Session:
                 partial=self._publish_partial,
                 measured=self._history.append,
                 publish=lambda: self.publish(self._build_report(phase="measuring")),
+                contained=self.failures.part,
             )
             self._runs = Runs(
                 self.workload,
@@ -606,7 +629,8 @@ class Session:
         if self.options.json and first_rank and report.phase in ("done", "interrupted"):
             report.write_json(self.options.json)
         if self.on_report is not None:
-            self.on_report(report)
+            with self.failures.part("showing the report"):
+                self.on_report(report)
 
     def _distributed(self, runs: Runs | None) -> Distributed | None:
         ranks = self.ranks
@@ -682,10 +706,11 @@ class Session:
             ),
             cell_run=self.cell_run,
             oom=self.oom,
-            notebook_edits=self.notebook_edits(),
+            notebook_edits=self.failures.call("code changes", self.notebook_edits, default=None),
             recommended=self.recommended(variants) if phase != "measuring" else None,
             load=runs.load if runs is not None else None,
             distributed=self._distributed(runs),
+            failures=list(self.failures.seen),
         )
 
     def _observed(self) -> probe.Observation:

@@ -141,6 +141,13 @@ export interface IDistributed {
   ranks: IRankTime[];
 }
 
+/** A failure of perfcheck's own machinery, contained at its part (report.py's OwnFailure). */
+export interface IOwnFailure {
+  part: string;
+  reason: string;
+  traceback?: string;
+}
+
 export interface INotApplicable {
   id: string;
   reason: string;
@@ -196,6 +203,7 @@ export interface IReport {
   recommended?: string[] | null;
   load?: ILoad | null;
   distributed?: IDistributed | null;
+  failures?: IOwnFailure[];
 }
 
 function isObject(value: unknown): value is Record<string, unknown> {
@@ -224,7 +232,7 @@ export function parseReport(data: unknown): IReport {
       throw new Error(`"${key}" is missing or not a list of objects`);
     }
   }
-  for (const key of ['not_applicable', 'warnings', 'applied']) {
+  for (const key of ['not_applicable', 'warnings', 'applied', 'failures']) {
     if (data[key] !== undefined && !Array.isArray(data[key])) {
       throw new Error(`"${key}" is not a list`);
     }

@@ -369,6 +369,25 @@ function renderNotApplicable(report: IReport): HTMLElement | null {
   );
 }
 
+function renderOwnFailures(report: IReport): HTMLElement | null {
+  const items = report.failures ?? [];
+  if (items.length === 0) {
+    return null;
+  }
+  return h(
+    'section',
+    { className: 'ttm-section ttm-own-failures' },
+    h('h4', { text: words.OWN_FAILURES }),
+    h(
+      'ul',
+      {},
+      ...items.map(f =>
+        h('li', {}, h('details', {}, h('summary', { text: words.ownFailureLine(f) }), h('pre', { text: f.traceback ?? '' })))
+      )
+    )
+  );
+}
+
 function renderWarnings(report: IReport): HTMLElement | null {
   const items = report.warnings ?? [];
   if (items.length === 0) {
@@ -393,6 +412,7 @@ export function renderReport(report: IReport, live?: ILive): HTMLElement {
     chart && h('section', { className: 'ttm-section' }, h('h4', { text: 'Before / after' }), chart),
     renderCodeChanges(report, live ? live.state.codeOpen : true, live ? open => live.actions.showCode(open) : undefined),
     renderNotApplicable(report),
+    renderOwnFailures(report),
     renderWarnings(report)
   );
   if (isMeasuring(report)) {

@@ -5,6 +5,7 @@
 
 import { formatBytes, formatFactor, formatSeconds } from './format';
 import {
+  IOwnFailure,
   IReport,
   IVariant,
   isMeasuring,
@@ -21,6 +22,12 @@ export const PROVISIONAL = 'so far (provisional)';
 /** Other processes' busy CPUs worth a line in the report (summary.BUSY_CPUS). */
 const BUSY_CPUS = 0.25;
 export const FITS = 'fits with this fix: it ran past where the cell ran out of memory';
+export const OWN_FAILURES = "perfcheck's own failures (your cell ran as it would without perfcheck)";
+
+/** One perfcheck failure in a line: which part, and why (the traceback folds away). */
+export function ownFailureLine(failure: IOwnFailure): string {
+  return `${failure.part} failed: ${failure.reason}; the rest of this report stands`;
+}
 
 /** Good, bad or neither: the colour a figure is shown in. */
 export type Tone = 'good' | 'bad' | 'neutral' | 'pending';

@@ -37,7 +37,7 @@ from ..engine import (
 )
 from ..engine.workload import Workload
 from ..options import Options
-from ..report import MachineLoad, RankTime, Variant
+from ..report import MachineLoad, Numerics, RankTime, Variant
 from . import figures
 from . import plan as plans
 from .plan import BASELINE, PROBE_SLOWDOWN, MeasuringPlan
@@ -83,6 +83,8 @@ class Hooks:
     partial: Callable[[Variant, list[Variant], timing.Deadline], None]
     measured: Callable[[Variant], None]  # a variant measured outside a plan (a fit)
     publish: Callable[[], None]  # the report as it stands, while measuring
+    # a part of perfcheck's own whose failure is kept and passed over (`own_failures`)
+    contained: Callable[[str], AbstractContextManager[None]]
 
 
 class Runs:
@@ -367,8 +369,16 @@ class Runs:
         if BASELINE not in outputs or config.label not in outputs:
             return self.start_state is None  # nothing to compare: no snapshot, no claim
         tolerance = max(f.tolerance for f in config.fixes)
-        compared = numerics.compare(outputs[BASELINE], outputs[config.label], tolerance)
+        compared = self._compared(outputs[BASELINE], outputs[config.label], tolerance)
         return compared.verdict in ("identical", "close")
+
+    def _compared(
+        self, baseline: numerics.Outputs, fixed: numerics.Outputs, tolerance: float
+    ) -> Numerics:
+        """`numerics.compare`, or "not compared" where perfcheck's comparison failed."""
+        with self.hooks.contained("numerics"):
+            return numerics.compare(baseline, fixed, tolerance)
+        return Numerics(detail="not compared: perfcheck's comparison failed (see its failures)")
 
     def _profiled_runs(self, measuring: Measuring, deadline: timing.Deadline) -> None:
         """Peak memory of each configuration and the model's FLOPs, each from a profiled run
@@ -455,7 +465,7 @@ class Runs:
             tolerance = max(f.tolerance for f in config.fixes)
             outputs = measuring.outputs
             if BASELINE in outputs and config.label in outputs:
-                variant.numerics = numerics.compare(
+                variant.numerics = self._compared(
                     outputs[BASELINE], outputs[config.label], tolerance
                 )
             elif self.start_state is None:
@@ -514,7 +524,7 @@ class Runs:
             return
         if not changed or BASELINE not in outputs:  # the run was another rank's call
             return
-        drift = numerics.compare(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
+        drift = self._compared(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
         if drift.verdict in ("identical", "not-compared"):
             return
         note = (
@@ -572,7 +582,8 @@ class Runs:
         """What the cell produced so far, from a restored start, for numerics."""
         if self.start_state is not None:
             names, modules = watched
-            outputs[label] = numerics.capture(self.workload.namespace, names, modules)
+            with self.hooks.contained("numerics"):
+                outputs[label] = numerics.capture(self.workload.namespace, names, modules)
 
     def _watched_outputs(self) -> tuple[set[str], dict[str, torch.nn.Module]]:
         """Names the cell (re)bound and the models it ran: what numerics compares."""

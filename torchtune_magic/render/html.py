@@ -231,9 +231,15 @@ def render(report: Report) -> str:
         else ""
     )
     warnings = "".join(f"<li>{_e(w)}</li>" for w in report.warnings)
+    failures = "".join(
+        f"<li><details><summary>{_e(summary.own_failure_line(f))}</summary>"
+        f"<pre>{_e(f.traceback)}</pre></details></li>"
+        for f in report.failures
+    )
     return (
         f'<div class="ttm-report" style="{_STYLE}">'
         f"<b>%%perfcheck report</b><div>{_e(summary.baseline_line(report))}</div>{context}"
         f"{findings}{together}{chart(report)}{_code_changes(report)}{not_applicable}"
+        f"{f'<h4>{_e(summary.OWN_FAILURES)}</h4><ul>{failures}</ul>' if failures else ''}"
         f"{f'<h4>Warnings</h4><ul>{warnings}</ul>' if warnings else ''}</div>"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from ..report import Finding, Report, Stats, Variant
+from ..report import Finding, OwnFailure, Report, Stats, Variant
 
 SLOWER = "measured slower here — not recommended"
 NO_CLEAR_CHANGE = "no clear change"
@@ -435,3 +435,11 @@ def phase_line(report: Report) -> str:
     if report.phase == "finishing":
         return "every number is in; the cell's complete run is under way"
     return ""
+
+
+OWN_FAILURES = "perfcheck's own failures (your cell ran as it would without perfcheck)"
+
+
+def own_failure_line(failure: OwnFailure) -> str:
+    """One perfcheck failure in a line: which part, and why (the traceback folds away)."""
+    return f"{failure.part} failed: {failure.reason}; the rest of this report stands"

@@ -85,6 +85,11 @@ def render(report: Report) -> str:
         lines.append("")
         lines.append(f"not applicable here ({len(report.not_applicable)}):")
         lines.extend(f"   [{item.id}] {item.reason}" for item in report.not_applicable)
+    if report.failures:
+        lines.append("")
+        lines.append(f"{summary.OWN_FAILURES}:")
+        lines.extend(f"   {summary.own_failure_line(f)}" for f in report.failures)
+        lines.append("   (the tracebacks are in the report's JSON, under `failures`)")
     for warning in report.warnings:
         lines.append(f"warning: {warning}")
     if report.applied:
