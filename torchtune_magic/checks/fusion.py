@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, discovery, frameworks
+from ..engine import codeedit, discovery, frameworks, lockstep
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection
@@ -288,7 +288,7 @@ class FusePointwiseCheck(Check):
             return []
         found = chains(obs.ops)
         busy = sum(c.busy_us for c in found)
-        share = busy / (obs.profiled_s * 1e6)
+        share = lockstep.mean(busy / (obs.profiled_s * 1e6))
         if share < MIN_SHARE:
             return []
         resolver = _Resolver(obs)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engine import lockstep
 from ..engine.fixes import Fix, Patcher
 from ..engine.workload import synchronize
 from ..report import CodeChange
@@ -194,7 +195,7 @@ def conv_share(obs: Observation, model: torch.nn.Module, convs: list[torch.nn.Co
     flops, total = _flops_share(obs, model, convs)
     if obs.device == "cpu" and obs.op_totals and obs.profiled_s > 0:
         seconds = sum(us for op, (_, us) in obs.op_totals.items() if _is_conv_op(op)) / 1e6
-        share = seconds / obs.profiled_s
+        share = lockstep.mean(seconds / obs.profiled_s)
         return ConvShare(
             min(share, flops),
             f"convolutions took {_ms(seconds)} of {obs.profiled_text(_ms)} ({share:.0%}, "

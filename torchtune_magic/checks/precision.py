@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..engine import codeedit, cpu, discovery, frameworks, history
+from ..engine import codeedit, cpu, discovery, frameworks, history, lockstep
 from ..engine.fixes import Fix, Patcher, patched
 from ..engine.history import CallEdit
 from ..report import CodeChange
@@ -278,7 +278,7 @@ class AmpCheck(Check):
         uses = fp32_math(obs)
         if not uses:
             return []
-        share = _cpu_math_share(obs) if obs.device == "cpu" else None
+        share = lockstep.mean_of([_cpu_math_share(obs)])[0] if obs.device == "cpu" else None
         per_call = _flops_per_call(uses)
         if obs.device == "cpu" and (
             share is None

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, cpu, load
+from ..engine import codeedit, cpu, load, lockstep
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
 from . import proxy
@@ -139,10 +139,12 @@ def _busy_workers(obs: Observation) -> int:
     those workers were busy while it computed."""
     if not obs.wall_s:
         return 0
+    uses = [use for use in obs.loaders.values() if use.loader.num_workers]
+    shares = lockstep.mean_of([use.wait_s / obs.wall_s for use in uses])
     return sum(
         use.loader.num_workers
-        for use in obs.loaders.values()
-        if use.loader.num_workers and use.wait_s / obs.wall_s >= WAIT_SHARE
+        for use, share in zip(uses, shares, strict=True)
+        if share is not None and share >= WAIT_SHARE
     )
 
 
@@ -150,9 +152,11 @@ def _other_cores(obs: Observation) -> int:
     """Cores other processes took from this one during the probe (0 where the load was
     not measured or the probe was too short to tell)."""
     seen = obs.load
-    if seen is None or seen.window_s < LOAD_MIN_WINDOW_S:
+    figures = [None, None] if seen is None else [seen.window_s, seen.busy_cpus]
+    window_s, busy_cpus = lockstep.mean_of(figures)
+    if window_s is None or busy_cpus is None or window_s < LOAD_MIN_WINDOW_S:
         return 0
-    return math.floor(seen.busy_cpus + 1 - OTHER_CORE_SHARE)
+    return math.floor(busy_cpus + 1 - OTHER_CORE_SHARE)
 
 
 def _ms(seconds: float) -> str:
@@ -239,6 +243,8 @@ class ThreadsCheck(Check):
             step_proxy, candidates(current, cores, wanted), obs.trial_time(TRIAL_BUDGET_S)
         )
         during = load.since(before)
+        for each, agreed in zip(trials, lockstep.mean_of([t.seconds for t in trials]), strict=True):
+            each.seconds = agreed if agreed is not None else each.seconds
         best = _pick(trials, current)
         timings = ", ".join(
             f"{t.threads} thread{'s' if t.threads > 1 else ''} {_ms(t.seconds)}" for t in trials

@@ -5,8 +5,11 @@ in the same runs, over the same steps, in the same order.
 A run of a distributed step ends when its slowest rank does, so a duration agreed is the
 maximum over ranks (`slowest`); a stop (the probe's, a run's give-up at the deadline) is
 taken when any rank wants it (`any_rank`); a value worked out from rank-local figures (the
-measuring plan) is rank 0's (`from_first`). Outside torchrun, or with one process, each is
-the identity and costs nothing.
+measuring plan) is rank 0's (`from_first`). A check that decides from a timing or a measured
+signal (an op's share of the time, a wait share, a trial's seconds, the load) thresholds the
+ranks' mean of it (`mean_of`): each rank's probe times its own run, and a figure near the
+threshold would otherwise find the check on one rank only, whose fix the others could not
+run with it. Outside torchrun, or with one process, each is the identity and costs nothing.
 
 The messages go over a gloo group of our own (CPU tensors whatever the user's backend),
 made once per process group; each is issued at a point every rank reaches, which is what
@@ -64,6 +67,13 @@ class Ranks:
         sent = torch.tensor([_NONE if v is None else v for v in values], dtype=torch.float64)
         torch.distributed.all_reduce(sent, torch.distributed.ReduceOp.MAX, group=self.group)
         return [None if v == _NONE else float(v) for v in sent.tolist()]
+
+    def mean(self, values: list[float | None]) -> list[float | None]:
+        """Each value's mean over the ranks that took it (None where none did)."""
+        pairs = [(0.0, 0.0) if v is None else (float(v), 1.0) for v in values]
+        sent = torch.tensor(pairs, dtype=torch.float64).reshape(-1, 2)
+        torch.distributed.all_reduce(sent, torch.distributed.ReduceOp.SUM, group=self.group)
+        return [None if taken == 0 else total / taken for total, taken in sent.tolist()]
 
     def any(self, flag: bool) -> bool:
         sent = torch.tensor([1 if flag else 0], dtype=torch.int64)
@@ -134,6 +144,20 @@ def slowest(seconds: float) -> float:
 def slowest_of(values: list[float | None]) -> list[float | None]:
     ranks = _active.get()
     return values if ranks is None else ranks.slowest(values)
+
+
+def mean_of(values: list[float | None]) -> list[float | None]:
+    """Figures measured on this rank that a finding is decided from, as the ranks' mean:
+    every rank then decides the same (call it where every rank gets to, with as many
+    figures)."""
+    ranks = _active.get()
+    return values if ranks is None else ranks.mean(values)
+
+
+def mean(value: float) -> float:
+    """One figure every rank took, as the ranks' mean (`mean_of`)."""
+    agreed = mean_of([value])[0]
+    return value if agreed is None else agreed
 
 
 def any_rank(flag: bool) -> bool:

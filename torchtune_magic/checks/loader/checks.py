@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...engine import codeedit, cpu, frameworks
+from ...engine import codeedit, cpu, frameworks, lockstep
 from ...report import CodeChange
 from ..base import Check, Detection
 from .edits import class_names, non_blocking_edit, with_keywords
@@ -87,7 +87,7 @@ class WorkersCheck(Check):
         for use in obs.loaders.values():
             if use.loader.num_workers != 0 or not use.batches or not obs.wall_s:
                 continue
-            share = use.wait_s / obs.wall_s
+            share = lockstep.mean(use.wait_s / obs.wall_s)
             if share < WAIT_SHARE:
                 continue
             loading = in_process(use.loader, use.batches)

@@ -1,5 +1,6 @@
 """The worker trial: the user's loader timed as it is, and the worker count picked by
-timing each candidate on a fresh epoch, with every RNG put back afterwards."""
+timing each candidate on a fresh epoch, with every RNG put back afterwards. Under torchrun
+both timings are the ranks' mean (`lockstep.mean_of`), so every rank decides alike."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import DataLoader
 
+from ...engine import lockstep
 from ...engine.state import _RNGState
 
 if TYPE_CHECKING:
@@ -133,7 +135,12 @@ def in_process(loader: DataLoader, batches: int) -> Epoch | None:
     """The user's own loader timed without the probe's instrumentation (which inflates
     cheap loaders: every indexing op is recorded), RNG put back afterwards."""
     with _rng_kept(loader):
-        return _timed_epoch(loader, batches, IN_PROCESS_BUDGET_S)
+        epoch = _timed_epoch(loader, batches, IN_PROCESS_BUDGET_S)
+    figures = [None, None] if epoch is None else [epoch.per_batch_s, epoch.cpu_share]
+    per_batch_s, cpu_share = lockstep.mean_of(figures)
+    if per_batch_s is None or cpu_share is None:
+        return None
+    return Epoch(per_batch_s, cpu_share)
 
 
 def worker_candidates(batches: int, cores: int, io_bound: bool) -> list[int]:
@@ -171,6 +178,8 @@ def pick_workers(
             except Exception as error:
                 trials.append(Trial(k, error=f"{type(error).__name__}: {error}"))
                 plan.discard(overrides)
+    for each, agreed in zip(trials, lockstep.mean_of([t.per_batch_s for t in trials]), strict=True):
+        each.per_batch_s = agreed
     timed = [t for t in trials if t.per_batch_s is not None]
     if not timed:
         return None, trials
