@@ -77,13 +77,14 @@ class NoGradCheck(Check):
         names = ", ".join(sorted({obs.module_path(use.module) for use in recording}))
         lines = sorted({line for use in recording for line in use.lines})
         source = obs.workload.source
-        fixed = source
+        fixed, notes = source, []
         if lines:
             first = codeedit.top_statement_at(obs.tree, lines[0])
             last = codeedit.top_statement_at(obs.tree, lines[-1])
             if first is not None and last is not None:
-                fixed = codeedit.wrap_lines(
-                    source, first.lineno, last.end_lineno or last.lineno, "with torch.no_grad()"
+                span = (first.lineno, last.end_lineno or last.lineno)
+                fixed, notes = codeedit.edited(
+                    source, lambda s: codeedit.wrap_lines(s, *span, "with torch.no_grad()")
                 )
         where = f"{names}, cell {_lines_text(lines)}" if lines else names
         return [
@@ -99,7 +100,7 @@ class NoGradCheck(Check):
                     caveat=INFERENCE_CAVEAT,
                     code_change=CodeChange(
                         codeedit.unified_diff(source, fixed),
-                        ["or decorate the evaluation function with @torch.no_grad()"],
+                        ["or decorate the evaluation function with @torch.no_grad()", *notes],
                     ),
                 ),
                 NoGradFix(),
@@ -275,12 +276,7 @@ def _edit_cell(source: str, targets: list[_EvalTarget]) -> str:
             text = ast.get_source_segment(source, node) or ast.unparse(node)
             source = codeedit.replace_node(source, node, f"torch.no_grad()({text})")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            # right above `def`, under any other decorator (a staticmethod must stay outermost)
-            lines = source.splitlines(keepends=True)
-            header = lines[node.lineno - 1]
-            indent = header[: len(header) - len(header.lstrip())]
-            lines.insert(node.lineno - 1, f"{indent}@torch.no_grad()\n")
-            source = "".join(lines)
+            source = codeedit.add_decorator(source, node, "torch.no_grad()")
         else:
             first, last = target.span
             source = codeedit.wrap_lines(source, first, last, "with torch.no_grad()")
@@ -349,7 +345,7 @@ def _evaluation_in_training(check: NoGradCheck, obs: Observation) -> list[Detect
         places.append(f"{planner.unplaced} in code that also trains, left as it is")
     evidence += "; they ran in " + "; ".join(places)
     source = obs.workload.source
-    fixed = _edit_cell(source, targets)
+    fixed, notes = codeedit.edited(source, lambda s: _edit_cell(s, targets))
     functions = [t for t in targets if t.function is not None]
     lines = sorted({s.line for s in evaluation if s.line is not None})
     where = "; ".join(_where(t) for t in targets) or f"{names}, cell {_lines_text(lines)}"
@@ -365,7 +361,8 @@ def _evaluation_in_training(check: NoGradCheck, obs: Observation) -> list[Detect
                     "before; " + INFERENCE_CAVEAT
                 ),
                 code_change=CodeChange(
-                    codeedit.unified_diff(source, fixed), [_decorate_advice(t) for t in functions]
+                    codeedit.unified_diff(source, fixed),
+                    [*(_decorate_advice(t) for t in functions), *notes],
                 ),
             ),
             EvaluationNoGradFix(functions, source, fixed) if targets else None,
@@ -467,7 +464,8 @@ class _ZeroGradNone(Fix):
             patcher.assign(owner, "zero_grad", zero_grad, f"{name}.zero_grad")
 
     def edit_source(self, source: str) -> str:
-        return codeedit.replace_nodes(source, list(self.source_edits))
+        edits = list(self.source_edits)
+        return codeedit.edited(source, lambda s: codeedit.replace_nodes(s, edits))[0]
 
 
 class ZeroGradNoneCheck(Check):
@@ -487,7 +485,9 @@ class ZeroGradNoneCheck(Check):
             for call in codeedit.calls_named(obs.tree, {"zero_grad"})
             if (false_node := _set_to_none_false(call)) is not None
         ]
-        fixed = codeedit.replace_nodes(source, [*call_edits, *manual])
+        fixed, notes = codeedit.edited(
+            source, lambda s: codeedit.replace_nodes(s, [*call_edits, *manual])
+        )
         fix = None
         if owners or manual:
             fix = _ZeroGradNone({_name(obs, owner): owner for owner in owners}, manual)
@@ -509,7 +509,7 @@ class ZeroGradNoneCheck(Check):
         )
         if how:
             evidence += f" ({'; '.join(how)})"
-        elsewhere = []
+        elsewhere = list(notes)
         if fix is None:
             elsewhere.append(
                 "the grads are zeroed in code outside this cell: set them to None there "

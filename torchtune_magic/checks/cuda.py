@@ -202,9 +202,13 @@ def factory_moves(source: str, lines: set[int]) -> list[tuple[ast.Call, str, str
         if any(k.arg == "device" for k in factory.keywords):
             continue
         inner = ast.get_source_segment(source, factory) or ""
-        head = inner[: inner.rindex(")")].rstrip()
-        joiner = "" if head.endswith("(") else (" " if head.endswith(",") else ", ")
-        found.append((node, f"{head}{joiner}device={device})", name))
+        # the factory call alone, given device= in its own layout (comments stay)
+        keyword = {"device": device}
+        moved = codeedit.edited(
+            inner, lambda s, n={name}, k=keyword: codeedit.with_keywords(s, 1, n, k, col=0)
+        )[0]
+        if moved != inner:
+            found.append((node, moved, name))
     return found
 
 
@@ -218,8 +222,8 @@ class TensorOnDeviceFix(Fix):
         self.lines = set(lines)
 
     def edit_source(self, source: str) -> str:
-        moves = factory_moves(source, self.lines)
-        return codeedit.replace_nodes(source, [(node, text) for node, text, _ in moves])
+        moves = [(node, text) for node, text, _ in factory_moves(source, self.lines)]
+        return codeedit.edited(source, lambda s: codeedit.replace_nodes(s, moves))[0]
 
 
 class TensorOnDeviceCheck(Check):

@@ -34,10 +34,13 @@ def _enables(call: ast.Call) -> bool:
     return not (args and isinstance(args[0], ast.Constant) and args[0].value is False)
 
 
-def _strip_calls(source: str, tree: ast.Module, names: set[str]) -> tuple[str, list[int]]:
+def _strip_calls(
+    source: str, tree: ast.Module, names: set[str]
+) -> tuple[str, list[int], list[str]]:
     """Remove statements calling `names` and unwrap `with` blocks using them.
 
-    Returns the new source and the 1-based lines that were touched. Edits run bottom-up so
+    Returns the new source, the 1-based lines that were touched, and a note where the
+    edit cannot be made (the source then stays as it is). Edits run bottom-up so
     earlier line numbers stay valid.
     """
     targets: list[tuple[int, ast.stmt]] = []
@@ -53,12 +56,17 @@ def _strip_calls(source: str, tree: ast.Module, names: set[str]) -> tuple[str, l
         elif isinstance(stmt, (ast.Expr, ast.Assign)):
             targets.append((stmt.lineno, stmt))
     lines = sorted({line for line, _ in targets})
-    for _, stmt in sorted(targets, key=lambda t: -t[0]):
-        if isinstance(stmt, ast.With):
-            source = codeedit.unwrap_with(source, stmt)
-        else:
-            source = codeedit.remove_statement(source, tree, stmt)
-    return source, lines
+
+    def strip(text: str) -> str:
+        for _, stmt in sorted(targets, key=lambda t: -t[0]):
+            if isinstance(stmt, ast.With):
+                text = codeedit.unwrap_with(text, stmt)
+            else:
+                text = codeedit.remove_statement(text, tree, stmt)
+        return text
+
+    fixed, notes = codeedit.edited(source, strip)
+    return fixed, lines, notes
 
 
 def _lines_text(lines: list[int] | set[int]) -> str:
@@ -136,7 +144,7 @@ class AnomalyCheck(Check):
         if not seen:
             return []
         source = obs.workload.source
-        fixed, lines = _strip_calls(source, obs.tree, ANOMALY_NAMES)
+        fixed, lines, notes = _strip_calls(source, obs.tree, ANOMALY_NAMES)
         parts = []
         if obs.backward_calls:
             parts.append(f"{obs.backward_with_anomaly} of {obs.backward_calls} backward passes")
@@ -144,7 +152,7 @@ class AnomalyCheck(Check):
         if forwards:
             parts.append(f"{obs.forward_with_anomaly} of {forwards} module calls")
         evidence = "anomaly mode was on for " + (" and ".join(parts) or "the whole cell")
-        elsewhere = []
+        elsewhere = list(notes)
         if lines:
             evidence += f" (enabled at cell {_lines_text(lines)})"
             where = f"cell {_lines_text(lines)}"
@@ -333,7 +341,7 @@ class ProfilerCheck(Check):
         if not entries and ProfilerPausedFix.paused:
             return []  # paused by our own fix, left on: it records nothing
         source = obs.workload.source
-        fixed, lines = _strip_calls(source, obs.tree, PROFILER_CALLS)
+        fixed, lines, notes = _strip_calls(source, obs.tree, PROFILER_CALLS)
         kinds = sorted({entry.kind for entry in entries})
         found = _user_profilers(obs.workload.namespace) if obs.profiler_at_start else []
         if entries:
@@ -351,7 +359,7 @@ class ProfilerCheck(Check):
         if obs.forward_under_profiler:
             evidence += f"; {obs.forward_under_profiler} module calls ran under it"
         entry_lines = sorted({e.line for e in entries if e.line is not None} | set(lines))
-        elsewhere = []
+        elsewhere = list(notes)
         if obs.profiler_at_start:
             stop = f"{found[0][0]}.stop()" if found else "prof.stop()"
             elsewhere.append(f"stop the profiler started in an earlier cell ({stop})")
@@ -439,7 +447,7 @@ class GradcheckCheck(Check):
         names = sorted({call.kind for call in calls})
         lines = sorted({call.line for call in calls if call.line is not None})
         source = obs.workload.source
-        fixed, _ = _strip_calls(source, obs.tree, GRADCHECK_NAMES)
+        fixed, _, notes = _strip_calls(source, obs.tree, GRADCHECK_NAMES)
         return [
             Detection(
                 self.finding(
@@ -453,7 +461,10 @@ class GradcheckCheck(Check):
                     caveat="the fix skips the check, so it no longer verifies gradients",
                     code_change=CodeChange(
                         codeedit.unified_diff(source, fixed),
-                        ["run gradcheck once, in a test or a separate cell, not in the loop"],
+                        [
+                            "run gradcheck once, in a test or a separate cell, not in the loop",
+                            *notes,
+                        ],
                     ),
                 ),
                 SkipGradcheckFix(),

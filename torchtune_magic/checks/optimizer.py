@@ -160,8 +160,11 @@ class FusedOptimizerCheck(Check):
         if id(optimizer) not in obs.preexisting:
             # built by the cell: each run makes a new one, so the cell text is what changes
             if len(calls) == 1 and not any(k.arg == "foreach" for k in calls[0].keywords):
-                fixed = codeedit.with_keywords(source, calls[0].lineno, {cls}, {"fused": "True"})
-                fix = _SourceFused(calls[0].lineno, cls)
+                line = calls[0].lineno
+                fixed, elsewhere = codeedit.edited(
+                    source, lambda s: codeedit.with_keywords(s, line, {cls}, {"fused": "True"})
+                )
+                fix = _SourceFused(line, cls)
             else:
                 evidence += "; not applied live: the cell builds it in a way this tool won't edit"
         elif locations and all(loc.rebindable for loc in locations):
@@ -223,4 +226,7 @@ class _SourceFused(Fix):
         self.cls = cls
 
     def edit_source(self, source: str) -> str:
-        return codeedit.with_keywords(source, self.line, {self.cls}, {"fused": "True"})
+        def fused(text: str) -> str:
+            return codeedit.with_keywords(text, self.line, {self.cls}, {"fused": "True"})
+
+        return codeedit.edited(source, fused)[0]

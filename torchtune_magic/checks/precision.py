@@ -368,7 +368,10 @@ def amp_change(obs: Observation, uses: list[ModuleUse], dtype: torch.dtype) -> _
         span = _loop_lines(obs, uses)
         if span is None:
             return _AmpChange(elsewhere=[f"run the forward passes under {header}"], models=models)
-        fixed = codeedit.wrap_lines(source, *span, header)
+        fixed, notes = codeedit.edited(source, lambda s: codeedit.wrap_lines(s, *span, header))
+        if notes:
+            advice = [f"run the forward passes under {header}", *notes]
+            return _AmpChange(elsewhere=advice, models=models)
         return _AmpChange(fixed, fixed, span[0])
     scaler_advice = (
         f"create scaler = torch.amp.GradScaler('{obs.device}') once, then "
@@ -379,13 +382,21 @@ def amp_change(obs: Observation, uses: list[ModuleUse], dtype: torch.dtype) -> _
         advice = [_helper_advice(obs, header), *([scaler_advice] if scaled else [])]
         return _AmpChange(elsewhere=advice, models=models)
     loss = autocast_edit.free_name(tree, namespace, "loss", "amp_loss")
-    run = autocast_edit.edit(source, tree, found, header, loss)
+    try:
+        run = autocast_edit.edit(source, tree, found, header, loss)
+    except codeedit.EditError as error:
+        advice = [_helper_advice(obs, header), *([scaler_advice] if scaled else [])]
+        advice.append(f"no change to the cell here: {error}")
+        return _AmpChange(elsewhere=advice, models=models)
     change = _AmpChange(run, run, found[0].first)
     if scaled:
         scaler = _scaler(obs)
         shown = None
         if scaler is not None:
-            shown = autocast_edit.edit(source, tree, found, header, loss, scaler)
+            try:
+                shown = autocast_edit.edit(source, tree, found, header, loss, scaler)
+            except codeedit.EditError as error:
+                change.elsewhere.append(f"no change to the cell here: {error}")
         if shown is None:
             change.elsewhere.append(scaler_advice)
         change.shown = shown or run
@@ -444,14 +455,13 @@ def _framework_change(
         )
     built = _assigned_call(obs.tree, trainer)
     if built is not None:  # the Trainer is built in the cell: edit its call there
-        edited = codeedit.with_keywords(
+        callee = {codeedit.dotted_name(built.func).rsplit(".", 1)[-1]}
+        edited, notes = codeedit.edited(
             workload.source,
-            built.lineno,
-            {codeedit.dotted_name(built.func).rsplit(".", 1)[-1]},
-            values,
-            col=built.col_offset,
+            lambda s: codeedit.with_keywords(s, built.lineno, callee, values, col=built.col_offset),
         )
-        change.shown, change.line = edited, built.lineno
+        change.shown, change.line = (edited, built.lineno) if not notes else (None, None)
+        change.elsewhere += notes
         return change
     earlier = history.keyword_edit(workload.notebook, workload.namespace, [trainer], values)
     if earlier is not None:
@@ -627,7 +637,8 @@ class TF32Check(Check):
             'torch.get_float32_matmul_precision() is "highest", so none uses TF32 tensor cores'
         )
         source = obs.workload.source
-        fixed = codeedit.insert_after_imports(source, 'torch.set_float32_matmul_precision("high")')
+        setting = 'torch.set_float32_matmul_precision("high")'
+        fixed, notes = codeedit.edited(source, lambda s: codeedit.insert_after_imports(s, setting))
         return [
             Detection(
                 self.finding(
@@ -641,7 +652,7 @@ class TF32Check(Check):
                     ),
                     code_change=CodeChange(
                         codeedit.unified_diff(source, fixed),
-                        ["or set it once at the top of the notebook"],
+                        ["or set it once at the top of the notebook", *notes],
                     ),
                 ),
                 TF32Fix(),

@@ -112,7 +112,7 @@ class ThreadsFix(Fix):
         )
 
     def edit_source(self, source: str) -> str:
-        return with_threads(source, self.threads)
+        return codeedit.edited(source, lambda s: with_threads(s, self.threads))[0]
 
 
 def with_threads(source: str, threads: int) -> str:
@@ -207,11 +207,15 @@ class ThreadsCheck(Check):
             chosen, text = self._trial(obs, current, cores.count, wanted, loaded=others > 0)
             evidence += f"; {text}"
         source = obs.workload.source
-        fixed = with_threads(source, chosen)
-        if fixed == source:
-            fixed = codeedit.insert_after_imports(source, f"torch.set_num_threads({chosen})")
+        fixed, notes = codeedit.edited(source, lambda s: with_threads(s, chosen))
+        if fixed == source and not notes:
+            setting = f"torch.set_num_threads({chosen})"
+            fixed, notes = codeedit.edited(
+                source, lambda s: codeedit.insert_after_imports(s, setting)
+            )
         elsewhere = [
-            f"or start the kernel with OMP_NUM_THREADS={chosen} (it applies to every cell)"
+            f"or start the kernel with OMP_NUM_THREADS={chosen} (it applies to every cell)",
+            *notes,
         ]
         return [
             Detection(

@@ -250,7 +250,7 @@ class Tree:
 
         for member, where in self.positions.items():
             block = self.parents.get(member)
-            if not isinstance(block, (cst.Module, cst.IndentedBlock)):
+            if not isinstance(block, (cst.Module, cst.IndentedBlock)) or member not in block.body:
                 continue
             if first not in (where.start.line, self._first_line(member)):
                 continue
@@ -268,6 +268,15 @@ class Tree:
         """The cell with every edit made; EditError where it would not parse."""
         module = self.module.visit(_editor_class()(self))
         return checked(module.code)
+
+
+def edited(source: str, edit: Callable[[str], str]) -> tuple[str, list[str]]:
+    """`edit(source)` and no note, or, where the edit cannot be made, the source unchanged
+    and a note saying why (a finding then shows no code change, and the reason)."""
+    try:
+        return edit(source), []
+    except EditError as error:
+        return source, [f"no change to the cell here: {error}"]
 
 
 def checked(text: str) -> str:
@@ -633,7 +642,7 @@ def _appended(call: Any, new: list[Any]) -> Any:
     between: Any = cst.SimpleWhitespace(" ")
     first, end = between, tail
     if indent is not None:
-        between = cst.ParenthesizedWhitespace(last_line=cst.SimpleWhitespace(indent))
+        between = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent))
         first, end = between, tail
         if isinstance(tail, cst.ParenthesizedWhitespace):  # the comment stays on its line
             first = tail.with_changes(indent=True, last_line=cst.SimpleWhitespace(indent))

@@ -175,7 +175,7 @@ def keyword_edit(
     span = None
     if site.statement is not None:
         span = (site.statement.lineno, site.statement.end_lineno or site.statement.lineno)
-    return CallEdit(
+    edit = CallEdit(
         site.count,
         site.call.lineno,
         site.call.col_offset,
@@ -185,6 +185,10 @@ def keyword_edit(
         site.rebuilds,
         span,
     )
+    inputs = notebook.inputs
+    if inputs is not None and codeedit.edited(inputs.cell(site.count)[1], edit.applied_to)[1]:
+        return None  # the edit cannot be made: the caller's advice names the change instead
+    return edit
 
 
 def module_path(path: str) -> list[str | int]:
@@ -525,11 +529,26 @@ def rebuilds(
             if statement.lineno > first and isinstance(statement, ast.Assign) and uses & set(names):
                 spans.add((statement.lineno, statement.end_lineno or statement.lineno))
                 names += [n for n in _bound_names(statement) if n not in names]
-        lines = _edited(python, cell_edits).splitlines()
-        text = "\n".join("\n".join(lines[start - 1 : end]) for start, end in sorted(spans))
+        edited = _edited(python, cell_edits)
+        lines = edited.splitlines()
+        moved = _moved_spans(python, edited)
+        text = "\n".join(
+            "\n".join(lines[start - 1 : end])
+            for start, end in sorted(moved.get(span, span) for span in spans)
+        )
         fixes = list(dict.fromkeys(check for check, e in carried if e.execution_count == count))
         found.append(Rebuild(count, names, fixes, text))
     return found, left
+
+
+def _moved_spans(python: str, edited: str) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each top-level statement's lines in `python` -> its lines in `edited` (an argument
+    appended one per line adds lines to its statement and moves those after it)."""
+    spans = [
+        [(s.lineno, s.end_lineno or s.lineno) for s in ast.parse(text).body]
+        for text in (python, edited)
+    ]
+    return dict(zip(*spans, strict=False))
 
 
 def _by_cell(edits: Sequence[CallEdit]) -> dict[int, list[CallEdit]]:

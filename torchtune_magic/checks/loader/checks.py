@@ -139,7 +139,10 @@ class WorkersCheck(Check):
             def cell_edit(text: str) -> str:
                 return with_keywords(text, line, names, values)
 
-            fixed = cell_edit(source)
+            fixed, notes = codeedit.edited(source, cell_edit)
+            if notes:  # the loader the cell builds cannot be changed in its text
+                fixed, cell_edit, reason = None, None, reason or notes[0]
+                elsewhere += notes
         earlier = earlier_edit(obs, target, values) if target.cell_call is None else None
         if target.cell_call is None and earlier is None:
             elsewhere.append(
@@ -244,8 +247,8 @@ class PinMemoryCheck(Check):
                 )
             return non_blocking_edit(text, copy_lines)
 
-        fixed = cell_edit(source)
-        elsewhere = []
+        fixed, notes = codeedit.edited(source, cell_edit)
+        elsewhere = list(notes)
         earlier = None
         if target.cell_call is None:
             earlier = earlier_edit(obs, target, {"pin_memory": "True"})
@@ -256,7 +259,7 @@ class PinMemoryCheck(Check):
         if not copy_lines:
             elsewhere.append("copy batches with .to(device, non_blocking=True)")
         fix = None
-        if target.unreachable is None:
+        if target.unreachable is None and not (notes and target.cell_call is not None):
             plan = None if target.cell_call is not None else plan_for(loader, target.locations)
             fix = PinMemoryFix({"pin_memory": True}, plan, cell_edit)
         evidence = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ...engine import frameworks, steps
+from ...engine import codeedit, frameworks, steps
 from ...engine.fixes import Fix, Patcher
 
 if TYPE_CHECKING:
@@ -38,7 +38,9 @@ class _LoaderFix(Fix):
             )
 
     def edit_source(self, source: str) -> str:
-        return self.cell_edit(source) if self.cell_edit is not None else source
+        if self.cell_edit is None:
+            return source
+        return codeedit.edited(source, self.cell_edit)[0]  # a cell changed past editing
 
 
 class WorkersFix(_LoaderFix):
