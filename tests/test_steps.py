@@ -87,10 +87,11 @@ def test_unknown_counts_say_why(cell: str, why: str) -> None:
 
 
 def test_the_stop_step_fits_the_budget_and_never_passes_the_last_step() -> None:
-    # 2 configurations, 1 s to step W=2, then 0.1 s a step: 11 rounds of 2 runs in 48 s
-    assert steps.TARGET_ROUNDS == 11
+    # 2 configurations, 1 s to step W=2, then 0.1 s a step: 6 rounds of 3 runs (the
+    # baseline closes each round) in 48 s
+    assert steps.TARGET_ROUNDS == 6
     stop = steps.choose_stop(48.0, 2, lead_s=1.0, step_s=0.1, warmup=2, total=None)
-    assert stop == 2 + 11  # (48 / (2 x 11) - 1) / 0.1 = 11.8 timed steps
+    assert stop == 2 + 16  # (48 / (3 x 6) - 1) / 0.1 = 16.7 timed steps
     assert steps.choose_stop(48.0, 2, 1.0, 0.1, 2, total=9) == 8  # stops before the end
     tight = steps.choose_stop(1.0, 4, 1.0, 0.1, warmup=8, total=None, min_timed=8)
     assert tight == 16  # never fewer timed steps than asked, even over budget

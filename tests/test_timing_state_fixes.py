@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import discovery, state, timing, verdict
+from torchtune_magic.engine import discovery, state, timing
 from torchtune_magic.engine.fixes import Patcher
 from torchtune_magic.render import text
 
@@ -29,11 +29,24 @@ def test_paired_rounds_rotate_and_pair_each_fix_with_a_baseline_run():
     order: list[str] = []
     runners = {"base": _runner(order, "base", [1.0]), "fix": _runner(order, "fix", [0.5])}
     rounds = timing.paired_rounds(runners, "base", timing.Deadline(5.0))
-    assert order[:4] == ["base", "fix", "fix", "base"]  # the start rotates each round
+    # the baseline opens each round and, while the fix is undecided, closes it too
+    assert order[:6] == ["base", "fix", "base", "base", "fix", "base"]
     assert rounds.ratios("fix") == [2.0] * len(rounds.rounds)
+    assert rounds.noise() == [1.0] * len(rounds.rounds)  # the A/A ratios: no noise at all
     speedup = rounds.speedup("fix")
-    assert speedup.verdict == "faster" and speedup.settled
-    assert len(rounds.rounds) == verdict.min_rounds()  # settled: no round more than needed
+    assert speedup.verdict == "faster" and speedup.settled and speedup.by == "separation"
+    assert len(rounds.rounds) == 3  # 2x against no noise: called at the first look allowed
+
+
+def test_the_fixes_run_in_an_order_rotating_between_the_rounds_baseline_runs():
+    order: list[str] = []
+    runners = {
+        "base": _runner(order, "base", [1.0, 1.1]),
+        "f1": _runner(order, "f1", [1.0, 0.9, 1.05]),
+        "f2": _runner(order, "f2", [1.05, 0.95]),
+    }
+    timing.paired_rounds(runners, "base", timing.Deadline(0.5))
+    assert order[:8] == ["base", "f1", "f2", "base", "base", "f2", "f1", "base"]
 
 
 def test_a_settled_fix_drops_out_while_an_undecided_one_goes_on_until_the_deadline():
@@ -46,7 +59,7 @@ def test_a_settled_fix_drops_out_while_an_undecided_one_goes_on_until_the_deadli
     deadline = timing.Deadline(1.0)
     rounds = timing.paired_rounds(runners, "base", deadline)
     assert rounds.speedup("clear").settled and not rounds.speedup("noise").settled
-    assert order.count("clear") == verdict.min_rounds() < order.count("noise")
+    assert order.count("clear") == 3 < order.count("noise")  # 2x: called in 3 rounds
     assert rounds.speedup("noise").verdict == "no clear change"  # straddles 1: never slower
     assert deadline.spent <= 1.0 + 0.05
 
@@ -56,7 +69,7 @@ def test_no_round_starts_that_would_end_past_the_deadline():
     runners = {"a": _runner(order, "a", [1.0, 1.3], 0.1), "b": _runner(order, "b", [1.2, 1.0], 0.1)}
     deadline = timing.Deadline(0.5)
     rounds = timing.paired_rounds(runners, "a", deadline)
-    assert len(rounds.rounds) == 2  # rounds take 0.2 s: a third would end at 0.6 s
+    assert len(rounds.rounds) == 1  # rounds take 0.3 s (a, b, a): a second would end at 0.6 s
     assert deadline.spent < 0.5
 
 

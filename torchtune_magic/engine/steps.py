@@ -8,8 +8,9 @@ every configuration is timed over the same work and compared per step.
 
 How K, W and the threshold are chosen (from the measuring budget B and the number of
 configurations C, i.e. the baseline plus the fix sets):
-- A run is *sampled* when C configurations x (1 warm-up + TARGET_ROUNDS timed + a profiled
-  checking run) of the whole cell would not fit in B (`worth_sampling`); a cell the probe
+- A run is *sampled* when C configurations x (1 warm-up + a profiled checking run) and
+  TARGET_ROUNDS rounds of C + 1 runs (each round closes with the baseline again) of the
+  whole cell would not fit in B (`worth_sampling`); a cell the probe
   had to stop early is always sampled. A cell with fewer than W + MIN_TIMED_STEPS + 1 steps
   never is.
 - W = 2 warm-up steps (1 where the cell has no room for two): the first step pays the
@@ -19,7 +20,7 @@ configurations C, i.e. the baseline plus the fix sets):
   epoch starts (measured here: batches 3-6 at 22-59 ms, batches 7-32 at 84-89 ms with 4
   workers), so where a loader with workers is in play (the user's, or one a fix builds), W
   and the timed steps are each at least its prefetch depth (workers x prefetch factor).
-- K is the largest stop step for which TARGET_ROUNDS rounds of C runs of K steps fit in
+- K is the largest stop step for which TARGET_ROUNDS rounds of C + 1 runs of K steps fit in
   what B leaves after the baseline's first run (which sets K from its time to step W and
   its time per step: `choose_stop`) and the short profiled runs for memory and FLOPs. At
   least MIN_TIMED_STEPS (or the prefetch depth) are timed per run, even when that overruns
@@ -61,7 +62,10 @@ if TYPE_CHECKING:
 
 WARMUP_STEPS = 2
 MIN_TIMED_STEPS = 3
-TARGET_ROUNDS = 11  # paired rounds a sampled measurement plans for (10 give an interval)
+# paired rounds a sampled measurement plans for: a clear effect is called in 3 on a quiet
+# machine, a 1.3x one within 6 (`verdict`); each round is every configuration and the
+# baseline again
+TARGET_ROUNDS = 6
 PROFILED_RUN_COST = 2.0  # a run under the memory profiler costs about this many plain runs
 PROFILED_STEPS = 2  # profiled runs (peak memory, FLOPs) stop after this many steps
 
@@ -658,7 +662,7 @@ def warmup_for(total: int | None, prefetch_depth: int = 0) -> int:
 def worth_sampling(run_s: float, configurations: int, budget_s: float) -> bool:
     """Whether whole-cell runs (a warm-up, TARGET_ROUNDS timed and a profiled checking run
     per configuration) would overrun the budget."""
-    runs = configurations * (1 + TARGET_ROUNDS + PROFILED_RUN_COST)
+    runs = configurations * (1 + PROFILED_RUN_COST) + (configurations + 1) * TARGET_ROUNDS
     return runs * run_s > budget_s
 
 
@@ -680,7 +684,7 @@ def choose_stop(
 ) -> int:
     """K: the most steps per run for which TARGET_ROUNDS rounds of every configuration fit
     `budget_s` (what is left for timed runs), between W + `min_timed` and the last step."""
-    per_run = budget_s / (configurations * TARGET_ROUNDS)
+    per_run = budget_s / ((configurations + 1) * TARGET_ROUNDS)
     timed = math.floor((per_run - lead_s) / step_s) if step_s > 0 else min_timed
     stop = warmup + max(min_timed, timed)
     if total is not None:

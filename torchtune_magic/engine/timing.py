@@ -10,6 +10,7 @@ Statistics of one configuration's times come from `torch.utils.benchmark.Measure
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -117,24 +118,41 @@ class Rounds:
     # each run's wall time by label (a sampled run returns its time per step, and every run
     # also restores state first): what foresees whether the next round fits the deadline
     walls: dict[str, list[float]] = field(default_factory=dict)
+    # round index -> the baseline run again at the end of that round (while a fix was still
+    # undecided): the pair's ratio is the round's A/A ratio (`verdict`'s separation test)
+    again: dict[int, float] = field(default_factory=dict)
 
     def times(self, label: str) -> list[float]:
-        return [r[label] for r in self.rounds if label in r]
+        found = [r[label] for r in self.rounds if label in r]
+        return found + list(self.again.values()) if label == self.baseline else found
+
+    def noise(self) -> list[float]:
+        """Each closed round's A/A ratio: its first baseline run over its last."""
+        return [
+            self.rounds[i][self.baseline] / again
+            for i, again in self.again.items()
+            if again > 0 and self.baseline in self.rounds[i]
+        ]
 
     def measurement(self, label: str) -> Measurement:
         return Measurement(label, self.times(label))
 
     def ratios(self, label: str) -> list[float]:
-        """The baseline's time over this configuration's, in each round both ran."""
-        return [
-            r[self.baseline] / r[label]
-            for r in self.rounds
-            if label in r and self.baseline in r and r[label] > 0
-        ]
+        """The baseline's time over this configuration's, in each round both ran (against
+        the geometric mean of the round's two baseline runs where it closed with one)."""
+        found = []
+        for index, times in enumerate(self.rounds):
+            if label not in times or self.baseline not in times or times[label] <= 0:
+                continue
+            base = times[self.baseline]
+            if index in self.again:
+                base = math.sqrt(base * self.again[index])
+            found.append(base / times[label])
+        return found
 
     def speedup(self, label: str) -> Speedup | None:
         ratios = self.ratios(label)
-        return Speedup.of(ratios) if ratios else None
+        return Speedup.of(ratios, self.noise()) if ratios else None
 
     @property
     def labels(self) -> list[str]:
@@ -164,41 +182,60 @@ def paired_rounds(
     result = begun if begun is not None else Rounds(baseline)
     variants = [label for label in runners if label != baseline]
     started = time.perf_counter()
+    at_most: int | None = None
     for index in range(len(result.rounds), MAX_ROUNDS):
-        active = [
-            label for label in variants if index < wanted or not _settled(result.speedup(label))
-        ]
+        active = [label for label in variants if not _settled(result.speedup(label))]
         if not active and (variants or index >= wanted):  # no fix: `wanted` rounds
             break
-        labels = [baseline, *active]
+        # the baseline opens the round, the fixes follow in an order rotating from round
+        # to round, and while a fix is undecided the baseline closes the round as well
+        offset = index % len(active) if active else 0
+        order = [baseline, *active[offset:], *active[:offset], *([AGAIN] if active else [])]
         base_wall = _typical(result.walls.get(baseline, []))
-        predicted = sum(_typical(result.walls.get(label, [])) or base_wall for label in labels)
+        predicted = sum(
+            _typical(result.walls.get(label, [])) or base_wall
+            for label in (baseline if label == AGAIN else label for label in order)
+        )
         if not deadline.allows(predicted):
             break
-        offset = index % len(labels)
         this_round: dict[str, float] = {}
         result.rounds.append(this_round)
-        at_most = index + 1 + int(deadline.left() / predicted) if predicted > 0 else MAX_ROUNDS
-        for label in labels[offset:] + labels[:offset]:
+        # the rounds a progress line promises at most: the cheapest round there could be
+        # (the baseline and one fix) filling what is left; it only ever comes down
+        cheapest = min(
+            (2 * base_wall + (_typical(result.walls.get(label, [])) or base_wall))
+            for label in active or [baseline]
+        )
+        fits = index + int(deadline.left() / cheapest) if cheapest > 0 else MAX_ROUNDS
+        at_most = min(at_most or MAX_ROUNDS, fits, MAX_ROUNDS)
+        for label in order:
+            runs_as = baseline if label == AGAIN else label
             if progress is not None:
                 share = deadline.spent / deadline.seconds if deadline.seconds else 1.0
-                progress(
-                    min(1.0, share),
-                    f"round {index + 1} of at most {min(at_most, MAX_ROUNDS)}: {label}",
-                )
+                of = f" of at most {at_most}" if at_most > index else ""
+                progress(min(1.0, share), f"round {index + 1}{of}: {runs_as}")
             begun_at = time.perf_counter()
             try:
-                this_round[label] = runners[label]()
+                value = runners[runs_as]()
             except OutOfTime:  # a run that overran the deadline: its round is no pairing
-                result.rounds.pop()
+                if label != AGAIN:
+                    result.rounds.pop()
                 result.seconds += time.perf_counter() - started
                 return result
+            if label == AGAIN:
+                result.again[index] = value
+            else:
+                this_round[label] = value
             wall = lockstep.slowest(time.perf_counter() - begun_at)
-            result.walls.setdefault(label, []).append(wall)
+            result.walls.setdefault(runs_as, []).append(wall)
             if on_run is not None:
-                on_run(label, result.measurement(label))
+                on_run(runs_as, result.measurement(runs_as))
     result.seconds += time.perf_counter() - started
     return result
+
+
+# the baseline's run that closes a round (a label of no configuration)
+AGAIN = "\x00baseline again"
 
 
 def _settled(speedup: Speedup | None) -> bool:

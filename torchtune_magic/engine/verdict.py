@@ -19,6 +19,23 @@ The verdict reads the interval, never the point alone:
 The confidence is high (99.8%) because the session looks at the interval after every
 round and stops as soon as it is decided, each look a chance for noise to cross 1, and
 because the rounds of a busy machine are not independent (a stall spans several).
+
+That interval ignores how large the ratios are: a 3x fix would wait ten rounds like a
+1.01x one. So a second test uses the size of the effect against the noise the machine
+shows *now*. While a fix is undecided, each round ends with the baseline run again
+(`timing.paired_rounds`): the ratio of the round's two baseline runs is an A/A ratio, a
+fix that changes nothing made under the same conditions (the fixes' runs sit between
+them, and each fix's ratio is taken against the geometric mean of the two, so drift over
+the round cancels from it but not from the A/A ratio). A fix is called as soon as every one
+of its n ratios lies beyond every one of the m A/A ratios, on the same side of 1
+(`separated`): were the fix no change, its n log-ratios and the A/A ones would be
+exchangeable and symmetric, and that happens with probability 2^-n / C(n + m, n). It must
+be at most SEPARATED_ALPHA, or at most MARGIN_ALPHA where every ratio is also at least
+twice as far from 1 as the farthest A/A ratio (heavy-tailed noise falls off at least as
+fast as 1/x beyond its spread, so doubling the distance divides the chance by 2 per
+ratio). On a quiet machine a 3x fix is called in 3 rounds; with another process beside the
+kernel the A/A ratios spread and the order-statistic interval decides, as before. The false
+verdicts of both together are measured by `benchmarks/verdicts.py` on recorded A/A rounds.
 """
 
 from __future__ import annotations
@@ -37,6 +54,12 @@ from ..report import NO_CHANGE_BAND
 # 99.5%, none of 225 at 99.8%. Ten rounds at least give an interval.
 CONFIDENCE = 0.998
 SETTLED_BAND = 0.05  # an interval within 1 ± this is a settled "no clear change"
+# the separation test (above): one-sided chance that a fix changing nothing is called
+SEPARATED_ALPHA = 0.0025
+MARGIN = 2.0
+# a fix whose every ratio stays within the settled band, on a machine whose A/A ratios do
+# too, is settled "no clear change" after this many rounds (before any interval)
+QUIET_SETTLE_ROUNDS = 5
 FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
 VERDICTS = (FASTER, SLOWER, NO_CLEAR_CHANGE)
 
@@ -64,26 +87,56 @@ def min_rounds(confidence: float = CONFIDENCE) -> int:
     return n
 
 
+def separation_chance(n: int, m: int) -> float:
+    """The chance that n ratios of a fix changing nothing all lie beyond m A/A ratios on
+    one given side: 2^-n / C(n + m, n)."""
+    return 0.5**n / math.comb(n + m, n)
+
+
+# 3 rounds against their 3 A/A ratios (1/160), every ratio twice as far from 1
+MARGIN_ALPHA = separation_chance(3, 3)
+
+
 @dataclass(frozen=True)
 class Speedup:
-    """A fix's speedup over paired rounds: the median ratio and its interval."""
+    """A fix's speedup over paired rounds: the median ratio and its interval.
+
+    `by`: what decided the interval — "rounds" (order statistics of the ratios),
+    "separation" (the ratios beyond the A/A ratios: the interval is the ratios' range widened
+    by the farthest A/A ratio) or "quiet" (every ratio and A/A ratio within the settled
+    band: their range)."""
 
     median: float
     low: float | None  # None: too few rounds for an interval at CONFIDENCE
     high: float | None
     rounds: int
+    by: str = "rounds"
+    noise: float | None = None  # the farthest A/A ratio from 1 (as a factor >= 1)
 
     @classmethod
-    def of(cls, ratios: list[float], confidence: float = CONFIDENCE) -> Speedup:
+    def of(
+        cls, ratios: list[float], noise: list[float] | None = None, confidence: float = CONFIDENCE
+    ) -> Speedup:
+        """From the rounds' ratios and the A/A ratios measured beside them (`noise`)."""
         ordered = sorted(r for r in ratios if r > 0 and math.isfinite(r))
         n = len(ordered)
         if n == 0:
             raise ValueError("no ratios to summarise")
-        rank = rank_for(n, confidence)
         median = statistics.median(ordered)
-        if rank is None:
-            return cls(median, None, None, n)
-        return cls(median, ordered[rank - 1], ordered[n - rank], n)
+        spread = [abs(math.log(a)) for a in noise or [] if a > 0 and math.isfinite(a)]
+        widest = max(spread) if spread else None
+        noise_factor = math.exp(widest) if widest is not None else None
+        if widest is not None and _separated(ordered, widest, len(spread)):
+            low, high = ordered[0] / noise_factor, ordered[-1] * noise_factor
+            return cls(median, low, high, n, "separation", noise_factor)
+        rank = rank_for(n, confidence)
+        if rank is not None:
+            return cls(median, ordered[rank - 1], ordered[n - rank], n, "rounds", noise_factor)
+        band = math.log(1.0 + SETTLED_BAND)
+        logs = [abs(math.log(r)) for r in ordered]
+        if widest is not None and n >= QUIET_SETTLE_ROUNDS and max(logs + spread) <= band:
+            return cls(median, ordered[0], ordered[-1], n, "quiet", noise_factor)
+        return cls(median, None, None, n, "rounds", noise_factor)
 
     @property
     def has_interval(self) -> bool:
@@ -91,7 +144,7 @@ class Speedup:
 
     @property
     def verdict(self) -> str:
-        if not self.has_interval:
+        if not self.has_interval or self.by == "quiet":
             return NO_CLEAR_CHANGE
         assert self.low is not None and self.high is not None
         if self.low > 1.0 and self.median >= 1.0 + NO_CHANGE_BAND:
@@ -117,6 +170,10 @@ class Speedup:
         if self.settled:
             return None
         n = max(self.rounds, 1)
+        if not self.has_interval and self.noise is not None:
+            distance = abs(math.log(self.median))
+            if distance > MARGIN * math.log(self.noise):  # clear of the noise: a few more
+                return _rounds_to_separate(n)
         if not self.has_interval:
             return max(min_rounds(), 2 * n)
         assert self.low is not None and self.high is not None
@@ -144,3 +201,25 @@ def budget_to_tell(
     per_round = spent_on_rounds_s / taken
     wanted = fixed_s + needed * per_round
     return float(max(budget_s + 5, 5 * math.ceil(wanted / 5)))
+
+
+def _separated(ordered: list[float], widest: float, m: int) -> bool:
+    """Every ratio beyond the farthest of m A/A ratios, on one side of 1, by a margin the
+    chance of it under no change allows (see the module's docstring)."""
+    n = len(ordered)
+    logs = [math.log(r) for r in ordered]
+    nearest = min(abs(value) for value in logs)
+    one_side = all(value > 0 for value in logs) or all(value < 0 for value in logs)
+    if not one_side or nearest <= widest:
+        return False
+    chance = separation_chance(n, m)
+    return chance <= SEPARATED_ALPHA or (nearest >= MARGIN * widest and chance <= MARGIN_ALPHA)
+
+
+def _rounds_to_separate(n: int) -> int:
+    """The rounds at which n ratios clear of the noise by the margin are called (each round
+    brings one A/A ratio as well)."""
+    rounds = max(n + 1, 3)
+    while separation_chance(rounds, rounds) > MARGIN_ALPHA:
+        rounds += 1
+    return rounds
