@@ -5,6 +5,10 @@ reopen, and from the command; a cell changed since it ran is refused."""
 
 from __future__ import annotations
 
+import ast
+import io
+import tokenize
+
 import pytest
 from playwright.sync_api import expect
 
@@ -150,3 +154,74 @@ def test_without_the_labextension_the_view_says_how_to_make_the_change(
         "here, copy the cells below, or run `%perfcheck insert` in a cell."
     )
     expect(edits.get_by_role("button", name="Copy cell")).to_have_count(1)
+
+
+# A course notebook's loader, a comment after each argument (issue 28)
+COURSE_DATA = """\
+import time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+class SlowData(Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, index):
+        time.sleep(0.004)
+        return torch.full((8,), float(index)), torch.ones(1)
+
+train_data = SlowData()
+BATCH_SIZE = 8
+torch.manual_seed(0)
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.001)"""
+COURSE_LOADER = """\
+train_dataloader = DataLoader(train_data, # dataset to turn into iterable
+    batch_size=BATCH_SIZE, # how many samples per batch?
+    shuffle=True # shuffle training data on every epoch?
+)"""
+COURSE_TRAIN = """\
+%%perfcheck --budget 2 --checks dataloader-workers --apply dataloader-workers
+for epoch in range(2):
+    for X, y in train_dataloader:
+        loss = ((model(X) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()"""
+COURSE_COMMENTS = [
+    "# dataset to turn into iterable",
+    "# how many samples per batch?",
+    "# shuffle training data on every epoch?",
+]
+
+
+def test_apply_to_notebook_keeps_the_comments_after_each_loader_argument(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    notebook = jupyter_lab.write_notebook(
+        "course.ipynb", ["%load_ext torchtune_magic", COURSE_DATA, COURSE_LOADER, COURSE_TRAIN]
+    )
+    lab.open_notebook(notebook)
+    for index in range(3):
+        lab.run_cell(index)
+    panel = lab.run_cell(3, f"{LIVE_PANEL}[class*='ttm-run-']", timeout=120_000)
+    expect(panel.locator(".ttm-progress")).to_have_count(0, timeout=120_000)
+
+    panel.get_by_role("button", name="Show code").click()
+    edits = panel.locator(".ttm-notebook-edits")
+    expect(edits.locator(".ttm-code-block .ttm-code-caption span")).to_have_text(["In[3]"])
+    edits.get_by_role("button", name="Apply to notebook").click()
+    lab.page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept").click()
+    expect(edits.locator(".ttm-apply-outcome")).to_contain_text("Edited In[3]")
+
+    after = lab.source(2)
+    ast.parse(after)  # the edited cell parses
+    tokens = tokenize.generate_tokens(io.StringIO(after).readline)
+    assert [t.string for t in tokens if t.type == tokenize.COMMENT] == COURSE_COMMENTS
+    assert "num_workers=" in after and "persistent_workers=True" in after
+    assert after.splitlines()[:2] == COURSE_LOADER.splitlines()[:2]  # untouched lines
+
+    lab.page.keyboard.press("Control+z")  # one undo restores the cell
+    expect(lab.cell(2).locator(".cm-content")).not_to_contain_text("num_workers")
+    assert lab.source(2) == COURSE_LOADER
