@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import sys
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -279,11 +282,76 @@ def _toggle(enable: bool, activities: set[Any]) -> None:
         torch.autograd.profiler._toggle_collection_dynamic(enable, activities)
 
 
+_THREAD_STATE_WORDS = 64  # how far into CPython's PyThreadState to look for the tracer
+
+
+class _PythonTracer:
+    """torch's Python tracer (`with_stack=True`) on this thread, taken off and put back.
+
+    torch's pause stops op collection only: the tracer stays installed as this thread's
+    C-level profile function and records every Python call and return (a quarter of the
+    cell's time on a loop of small modules, and events in the trace during the pause).
+    Python can remove a C profile function (`sys.setprofile(None)`) but cannot read it, so
+    the function is read from the thread state: CPython (3.10 to 3.13) keeps
+    `c_profilefunc` two pointers before `c_profileobj`, and `c_profileobj` is found as the
+    tracer's context object itself. `PyEval_SetProfile` puts both back.
+    """
+
+    def __init__(self, function: int, context: Any):
+        self.function = function
+        self.context = context  # held here: sys.setprofile(None) drops the thread's reference
+        self.thread = threading.get_ident()
+
+    @classmethod
+    def installed(cls) -> _PythonTracer | None:
+        """The tracer profiling this thread, or None (no `with_stack`, or another hook)."""
+        context = sys.getprofile()
+        if type(context).__name__ != "TraceContext":
+            return None
+        thread_state = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyThreadState_Get", ctypes.pythonapi))
+        words = (ctypes.c_void_p * _THREAD_STATE_WORDS).from_address(thread_state())
+        for index in range(2, _THREAD_STATE_WORDS):
+            if words[index] == id(context) and words[index - 2]:
+                return cls(words[index - 2], context)
+        return None
+
+    def take_off(self) -> None:
+        sys.setprofile(None)
+
+    def put_back(self) -> None:
+        """Reinstall the tracer on the thread it was taken from, unless something else
+        profiles that thread now."""
+        if threading.get_ident() != self.thread or sys.getprofile() is not None:
+            return
+        set_profile = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.py_object)(
+            ("PyEval_SetProfile", ctypes.pythonapi)
+        )
+        set_profile(self.function, self.context)
+
+
+def _while_recording(session: Any, action: Callable[[], None]) -> Callable[[], None]:
+    """`action`, done only while `session` still records: undoing a pause must not restart
+    what the user stopped meanwhile (a stopped tracer's context points at freed memory)."""
+
+    def run() -> None:
+        if _recording(session):
+            action()
+
+    return run
+
+
 class ProfilerPausedFix(Fix):
-    """A profiler started before the cell stops recording (torch's
-    `toggle_collection_dynamic`): around each measured run, and for as long as the fix stays
-    applied. Undo resumes recording into the same trace — unless that profiler has been
-    stopped meanwhile, when there is nothing to resume (and a newer one is left alone)."""
+    """A profiler started before the cell stops recording: around each measured run, and
+    for as long as the fix stays applied. Undo resumes recording into the same trace —
+    unless that profiler has been stopped meanwhile, when there is nothing to resume (and a
+    newer one is left alone).
+
+    torch's `toggle_collection_dynamic` takes the op callbacks away; a paused profiler of a
+    known object also loses what that toggle leaves recording each call: its Python tracer
+    (`with_stack`) and its execution trace observer. Only `profile_memory`'s allocation
+    events cannot be paused from Python (the C++ profiler state reports them while it
+    exists); the caveat says so.
+    """
 
     check_id = "debug-profiler"
     paused: ClassVar[int] = 0  # profilers held paused by these fixes right now
@@ -310,6 +378,14 @@ class ProfilerPausedFix(Fix):
                 _toggle(True, activities)
 
         patcher.call(pause, resume)
+        if session is None:
+            return  # the tracer and the observer of an unknown recording stay as they are
+        tracer = _PythonTracer.installed()
+        if tracer is not None:
+            patcher.call(tracer.take_off, _while_recording(session, tracer.put_back))
+        observer = getattr(self.profiler, "execution_trace_observer", None)
+        if observer is not None and observer.is_running():
+            patcher.call(observer.stop, _while_recording(session, observer.start))
 
     def _session(self) -> Any | None:
         """The autograd profiler object of this recording (a torch.profiler.profile makes a
@@ -395,24 +471,22 @@ class ProfilerCheck(Check):
 
 
 def _pause_caveat(found: tuple[str, Any] | None) -> str:
-    """The caveat of a pause, naming what torch's pause leaves running for this profiler."""
+    """The caveat of a pause, naming what still records while this profiler is paused."""
     name = f"`{found[0]}`" if found else "the profiler"
     stop = f"{found[0]}.stop()" if found else "stop it"
-    options = vars(found[1]) if found else {}  # both profiler classes keep their options
-    left = [
-        text
-        for option, text in (
-            ("profile_memory", "profile_memory's allocation events"),
-            ("with_stack", "with_stack's Python tracer"),
+    if found is None:
+        residual = (
+            ". Not found by name, the profiler has only its op and device collection paused: "
+            "a with_stack Python tracer or profile_memory's allocation events go on recording "
+            "while paused, and their cost stays in the measured figure"
         )
-        if options.get(option)
-    ]
-    residual = (
-        f". torch pauses op and device collection only: {' and '.join(left)} go on while "
-        "paused, so their cost stays in the measured figure"
-        if left
-        else ""
-    )
+    elif vars(found[1]).get("profile_memory"):  # both profiler classes keep their options
+        residual = (
+            ". profile_memory's allocation events cannot be paused: they go on into the trace "
+            "while paused, and their cost stays in the measured figure"
+        )
+    else:
+        residual = ""
     return PAUSE_CAVEAT.format(name=name, stop=stop, residual=residual)
 
 
