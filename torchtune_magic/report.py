@@ -39,6 +39,14 @@ OPTIONAL_MEASUREMENT_FIELDS = (
 )
 # A fix's speedup read over paired rounds (engine/verdict.py): the interval decides
 FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
+LOSS_FIELDS = (
+    "loss_verdict",
+    "loss_max_rel_diff",
+    "loss_tolerance",
+    "loss_steps",
+    "loss_baseline",
+    "loss_fix",
+)
 THROUGHPUT_FIELDS = (
     "flops",
     "flops_breakdown",
@@ -139,6 +147,25 @@ class Numerics:
     verdict: str = "not-compared"  # identical | close | changed | not-compared
     max_rel_diff: float | None = None
     detail: str | None = None
+    # A training cell's loss per step (the tensor each backward() ran on), the fix's
+    # against the baseline's over the same steps (`engine/losses.py`); None elsewhere.
+    loss_verdict: str | None = None  # "same loss" | "loss changed"
+    loss_max_rel_diff: float | None = None  # the largest relative difference at a step
+    loss_tolerance: float | None = None  # what the verdict was judged by
+    loss_steps: int | None = None  # steps compared
+    # the two curves, at most 200 points each, spread evenly (null: not finite)
+    loss_baseline: list[float | None] | None = None
+    loss_fix: list[float | None] | None = None
+
+    @property
+    def same_results(self) -> bool:
+        """Whether results stayed the same enough to recommend the fix: the loss is the
+        judge where there is one (a fix that changes it never is; one that keeps it is,
+        however its parameters' last bits moved), else the outputs identical or within
+        the fix's tolerance."""
+        if self.loss_verdict is not None:
+            return self.loss_verdict == "same loss"
+        return self.verdict in ("identical", "close")
 
 
 @dataclass
@@ -370,6 +397,11 @@ class Report:
             for key in (*THROUGHPUT_FIELDS, *OPTIONAL_MEASUREMENT_FIELDS):
                 if stats.get(key, 0) is None:
                     del stats[key]  # optional: reports without them read as before
+        for variant in data["variants"]:
+            numerics = variant["numerics"]
+            for key in LOSS_FIELDS:
+                if numerics[key] is None:
+                    del numerics[key]  # optional: reports without them read as before
         optional = ("sampling", "cell_run", "oom", "notebook_edits", "recommended", "load")
         for key in (*optional, "distributed"):
             if data[key] is None:

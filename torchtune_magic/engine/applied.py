@@ -85,15 +85,16 @@ def wins(fixable: list[str], variants: list[Variant]) -> list[str]:
 
 
 def recommended(fixable: list[str], variants: list[Variant]) -> list[str]:
-    """Fixes whose own newest measurement was clearly faster with results identical or
-    within the fix's stated tolerance: what the combined row, `--apply all`, the code
-    changes and Apply to notebook carry by default. Others are opt-in, their verdict
-    beside them."""
-    chosen = []
-    for variant in solo_variants(fixable, variants):
-        if variant.is_win and variant.numerics.verdict in ("identical", "close"):
-            chosen.append(variant.fixes[0])
-    return chosen
+    """Fixes whose own newest measurement was clearly faster with the same results: the
+    same loss curve in a training cell (a changed loss never counts, however fast), else
+    outputs identical or within the fix's stated tolerance (`Numerics.same_results`).
+    What the combined row, `--apply all`, the code changes and Apply to notebook carry by
+    default. Others are opt-in, their verdict beside them."""
+    return [
+        variant.fixes[0]
+        for variant in solo_variants(fixable, variants)
+        if variant.is_win and variant.numerics.same_results
+    ]
 
 
 def settled_without_win(variant: Variant) -> bool:

@@ -1,19 +1,20 @@
 """Did a fix change what the cell produced? Compare a fixed run against a baseline run.
 
 Both runs start from the same restored state and RNG seed. What is compared: tensors and
-numbers the cell bound in the namespace, and parameters/buffers of the models it touched.
+numbers the cell bound in the namespace, and parameters/buffers of the models it touched;
+for a training cell, beside them, the loss per step (`losses`), the judge a user reads.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..report import Numerics
-from . import allocator
+from . import allocator, losses
 
 Outputs = dict[str, torch.Tensor]
 
@@ -77,3 +78,58 @@ def compare(baseline: Outputs, variant: Outputs, tolerance: float) -> Numerics:
     verdict = "close" if worst.rel <= tolerance else "changed"
     rel = worst.rel if math.isfinite(worst.rel) else None
     return Numerics(verdict, rel, detail)
+
+
+@dataclass
+class Produced:
+    """What one run from the restored start left to compare: the cell's outputs (None
+    where capturing them failed) and the loss of each backward call, in order."""
+
+    outputs: Outputs | None
+    losses: list[float]
+
+
+def with_losses(
+    result: Numerics,
+    baseline: list[float],
+    fixed: list[float],
+    fix_tolerance: float,
+    noise: float = 0.0,
+) -> Numerics:
+    """`result` with the loss curves' comparison beside it; as it was where either run
+    called no backward."""
+    compared = losses.compare(baseline, fixed, fix_tolerance, noise)
+    if compared is None:
+        return result
+    detail = result.detail
+    if compared.note and compared.note not in (detail or ""):
+        detail = f"{detail}; {compared.note}" if detail else compared.note
+    steps = compared.steps
+    diff = compared.max_rel_diff
+    return replace(
+        result,
+        detail=detail,
+        loss_verdict=compared.verdict,
+        loss_max_rel_diff=diff if math.isfinite(diff) else None,
+        loss_tolerance=compared.tolerance,
+        loss_steps=steps,
+        loss_baseline=losses.downsampled(baseline[:steps]),
+        loss_fix=losses.downsampled(fixed[:steps]),
+    )
+
+
+def rejudged(
+    result: Numerics, baseline: list[float], fixed: list[float], again: list[float]
+) -> Numerics:
+    """`result`'s loss verdict judged again where the cell is not deterministic: `again`
+    is the baseline's own repeat from the same start, and a fix's curve within twice
+    what that differs by is the cell's own noise, not the fix's doing."""
+    noise = losses.max_rel_diff(baseline, again)
+    if result.loss_tolerance is None or noise == 0.0 or not math.isfinite(noise):
+        return result
+    judged = with_losses(result, baseline, fixed, result.loss_tolerance, noise)
+    note = (
+        "the cell itself is not deterministic: two baseline runs' losses differ by up to "
+        f"{noise:.1e}, so the fix's was judged against {losses.NOISE_FACTOR:g}x that"
+    )
+    return replace(judged, detail=f"{judged.detail}; {note}" if judged.detail else note)

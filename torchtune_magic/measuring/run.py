@@ -15,6 +15,7 @@ from ..engine import (
     discovery,
     fixes,
     lockstep,
+    losses,
     plain_stack,
     probe,
     state,
@@ -93,15 +94,16 @@ class Runner:
         self,
         config: Config,
         sample: steps.SamplePlan | None,
-        observe: Callable[[], Any] | None = None,
+        observe: Callable[[list[float]], Any] | None = None,
         stop: int | None = None,
         watched: AbstractContextManager[Any] | None = None,
     ) -> RunTime:
         """Run the cell once from the start state with the config's fixes applied; with
         `stop`, the run ends after that step (counted as `sample` says, when sampled;
-        `observe` sees the state there). `watched` (peak memory, FLOPs) opens once the
-        start state is back, so what the previous run left and the restore frees is not
-        counted against this run. A run to a step that is still going when the
+        `observe` sees the state there, and the loss of each backward call the run made:
+        only an observed run records it, at ~2 µs a step). `watched` (peak memory, FLOPs)
+        opens once the start state is back, so what the previous run left and the restore
+        frees is not counted against this run. A run to a step that is still going when the
         measurement's deadline has passed stops at the next step boundary and raises
         timing.OutOfTime (a fix that makes the cell far slower than foreseen cannot
         overrun the budget by more than a step).
@@ -142,6 +144,9 @@ class Runner:
         ):
             started, faults = time.perf_counter(), allocator.minor_faults()
             in_cell = fixes.combined_context(config.fixes, namespace, in_cell=True)
+            recorder = losses.Recorder()
+            if observe is not None:
+                in_cell = losses.recorded(in_cell, recorder)
             loop_keys = counter.source.loop_keys if counter else frozenset()
             try:
                 seconds = self.workload.run(
@@ -153,7 +158,7 @@ class Runner:
             if times is not None and times.gave_up:
                 raise timing.OutOfTime(f"{config.label}: stopped at step {times.count}")
             if observe is not None:
-                observe()
+                observe(recorder.curve())
         if times is None or plan is None:
             return RunTime(lockstep.slowest(seconds), watched=seen, faults=faults, own_s=seconds)
         per_epoch = plan.per_epoch if timed_run else None

@@ -25,6 +25,7 @@ from ..engine import (
     fixes,
     load,
     lockstep,
+    losses,
     memory,
     numerics,
     plain_stack,
@@ -53,7 +54,7 @@ class Measuring:
     configs: list[Config]
     watched: tuple[set[str], dict[str, torch.nn.Module]]
     results: dict[str, Variant] = field(default_factory=dict)
-    outputs: dict[str, numerics.Outputs] = field(default_factory=dict)
+    outputs: dict[str, numerics.Produced] = field(default_factory=dict)
     firsts: dict[str, RunTime] = field(default_factory=dict)
     later: dict[str, list[RunTime]] = field(default_factory=dict)
     runnable: list[Config] = field(default_factory=list)
@@ -369,16 +370,20 @@ class Runs:
         if BASELINE not in outputs or config.label not in outputs:
             return self.start_state is None  # nothing to compare: no snapshot, no claim
         tolerance = max(f.tolerance for f in config.fixes)
-        compared = self._compared(outputs[BASELINE], outputs[config.label], tolerance)
-        return compared.verdict in ("identical", "close")
+        return self._compared(outputs[BASELINE], outputs[config.label], tolerance).same_results
 
     def _compared(
-        self, baseline: numerics.Outputs, fixed: numerics.Outputs, tolerance: float
+        self, baseline: numerics.Produced, fixed: numerics.Produced, tolerance: float
     ) -> Numerics:
-        """`numerics.compare`, or "not compared" where perfcheck's comparison failed."""
+        """`numerics.compare` of the outputs, or "not compared" where perfcheck's
+        comparison failed; with the loss curves' comparison beside it."""
+        result = Numerics(detail="not compared: perfcheck's comparison failed (see its failures)")
+        if baseline.outputs is not None and fixed.outputs is not None:
+            with self.hooks.contained("numerics"):
+                result = numerics.compare(baseline.outputs, fixed.outputs, tolerance)
         with self.hooks.contained("numerics"):
-            return numerics.compare(baseline, fixed, tolerance)
-        return Numerics(detail="not compared: perfcheck's comparison failed (see its failures)")
+            return numerics.with_losses(result, baseline.losses, fixed.losses, tolerance)
+        return result
 
     def _profiled_runs(self, measuring: Measuring, deadline: timing.Deadline) -> None:
         """Peak memory of each configuration and the model's FLOPs, each from a profiled run
@@ -505,26 +510,37 @@ class Runs:
     ) -> None:
         """A "changed" verdict only means something if the cell repeats itself: run the
         baseline once more (where the deadline leaves room) and say so when two baseline
-        runs already differ."""
+        runs already differ; a changed loss is judged again against twice what the
+        baseline's loss differs from itself by."""
         changed = [v for v in results.values() if v.numerics.verdict == "changed"]
+        loss_off = {k: v for k, v in results.items() if v.numerics.loss_verdict == losses.CHANGED}
         outputs = measuring.outputs
-        if not lockstep.any_rank(bool(changed) and BASELINE in outputs):
+        if not lockstep.any_rank(bool(changed or loss_off) and BASELINE in outputs):
             return
         walls = measuring.rounds.walls.get(BASELINE) or [0.0]
         if not deadline.allows(statistics.median(walls)):
             note = "not checked whether the cell itself repeats its results (no time left)"
-            for variant in changed:
-                variant.numerics.detail = f"{variant.numerics.detail}; {note}"
+            for variant in [*changed, *loss_off.values()]:
+                variant.numerics.detail = _noted(variant.numerics.detail, note)
             return
-        again: dict[str, numerics.Outputs] = {}
+        again: dict[str, numerics.Produced] = {}
         capture = functools.partial(self._capture, again, BASELINE, measuring.watched)
         try:
             self.one_run(baseline, capture, self._stop())
         except timing.OutOfTime:
             return
-        if not changed or BASELINE not in outputs:  # the run was another rank's call
+        if BASELINE not in outputs or BASELINE not in again:  # the run was another rank's call
             return
-        drift = self._compared(outputs[BASELINE], again.get(BASELINE, {}), 0.0)
+        self._note_drift(changed, outputs[BASELINE], again[BASELINE])
+        self._rejudge_losses(loss_off, outputs, again[BASELINE])
+
+    def _note_drift(
+        self, changed: list[Variant], first: numerics.Produced, again: numerics.Produced
+    ) -> None:
+        """Say on each changed variant when two baseline runs' outputs already differ."""
+        if not changed or first.outputs is None or again.outputs is None:
+            return
+        drift = self._compared(numerics.Produced(first.outputs, []), again, 0.0)
         if drift.verdict in ("identical", "not-compared"):
             return
         note = (
@@ -532,7 +548,20 @@ class Runs:
             f"already differ (max rel diff {drift.max_rel_diff or float('nan'):.1e})"
         )
         for variant in changed:
-            variant.numerics.detail = f"{variant.numerics.detail}; {note}"
+            variant.numerics.detail = _noted(variant.numerics.detail, note)
+
+    @staticmethod
+    def _rejudge_losses(
+        loss_off: dict[str, Variant],
+        outputs: dict[str, numerics.Produced],
+        again: numerics.Produced,
+    ) -> None:
+        """Each changed loss judged again against the baseline's own repeat."""
+        for label, variant in loss_off.items():
+            if label in outputs:
+                variant.numerics = numerics.rejudged(
+                    variant.numerics, outputs[BASELINE].losses, outputs[label].losses, again.losses
+                )
 
     def _count_flops(self, baseline: Config) -> None:
         """Model FLOPs of one untimed baseline run (sampled: per step, over a short run),
@@ -577,13 +606,19 @@ class Runs:
         return self.runner.run(config, self.sample, observe, stop, watched)
 
     def _capture(
-        self, outputs: dict[str, numerics.Outputs], label: str, watched: tuple[set[str], dict]
+        self,
+        outputs: dict[str, numerics.Produced],
+        label: str,
+        watched: tuple[set[str], dict],
+        loss_curve: list[float],
     ) -> None:
-        """What the cell produced so far, from a restored start, for numerics."""
+        """What the cell produced so far, from a restored start, and its loss per step
+        (`Runner.run` records it on this run), for numerics."""
         if self.start_state is not None:
             names, modules = watched
+            produced = outputs[label] = numerics.Produced(None, loss_curve)
             with self.hooks.contained("numerics"):
-                outputs[label] = numerics.capture(self.workload.namespace, names, modules)
+                produced.outputs = numerics.capture(self.workload.namespace, names, modules)
 
     def _watched_outputs(self) -> tuple[set[str], dict[str, torch.nn.Module]]:
         """Names the cell (re)bound and the models it ran: what numerics compares."""
@@ -712,3 +747,8 @@ def _budget_for(deadline: timing.Deadline, guess: float) -> float:
     rounds = verdict.min_rounds() + 1
     wanted = deadline.seconds + guess * (1 + 2 * rounds)
     return float(5 * math.ceil(wanted / 5))
+
+
+def _noted(detail: str | None, note: str) -> str:
+    """A numerics detail with one more note after it."""
+    return f"{detail}; {note}" if detail else note
