@@ -153,3 +153,47 @@ export function renderChart(report: IReport): SVGSVGElement | null {
   svg.setAttribute('height', String(height));
   return svg;
 }
+
+const LOSS_WIDTH = 180;
+const LOSS_HEIGHT = 48;
+
+/**
+ * A small plot of a fix's loss per step (blue) over the baseline's (grey), on one scale,
+ * where the two differ (render/html.py draws the same); a point that is not finite is
+ * left out. Null where there is nothing to draw.
+ */
+export function renderLossCurves(variant: IVariant): SVGSVGElement | null {
+  const base = variant.numerics.loss_baseline ?? [];
+  const fixed = variant.numerics.loss_fix ?? [];
+  const values = [...base, ...fixed].filter((v): v is number => v !== null);
+  if (values.length === 0) {
+    return null;
+  }
+  const low = Math.min(...values);
+  const span = Math.max(...values) - low || 1;
+  const last = Math.max(base.length, fixed.length) - 1 || 1;
+  const line = (curve: (number | null)[], kind: string) => {
+    const points = curve
+      .map((v, i) =>
+        v === null
+          ? null
+          : `${((i * LOSS_WIDTH) / last).toFixed(1)},${(LOSS_HEIGHT - 2 - ((v - low) * (LOSS_HEIGHT - 4)) / span).toFixed(1)}`
+      )
+      .filter(Boolean)
+      .join(' ');
+    return s('polyline', { className: `ttm-loss-${kind}`, attrs: { points, fill: 'none' } });
+  };
+  const label = `loss per step: baseline (grey), ${variant.fixes.join('+')} (blue)`;
+  const svg = s(
+    'svg',
+    {
+      className: 'ttm-loss-curves',
+      title: label,
+      attrs: { role: 'img', 'aria-label': label, width: String(LOSS_WIDTH), height: String(LOSS_HEIGHT) }
+    },
+    line(base, 'baseline'),
+    line(fixed, 'fix')
+  );
+  svg.setAttribute('viewBox', `0 0 ${LOSS_WIDTH} ${LOSS_HEIGHT}`);
+  return svg;
+}

@@ -112,3 +112,27 @@ export function formatShareOfPeak(utilisation: number | null | undefined): strin
 export function formatPeak(tflops: number): string {
   return `${tflops.toFixed(1)} TFLOP/s`;
 }
+
+/** An exponent as Python writes it: at least two digits (`e-07`, `e+03`). */
+function pythonExponent(text: string): string {
+  return text.replace(/e([+-])(\d)$/, 'e$10$2');
+}
+
+/** Python's `:.{digits}e`, e.g. 8.87e-08. */
+export function formatExponent(value: number, digits: number): string {
+  return pythonExponent(value.toExponential(digits));
+}
+
+/** Python's `:.{digits}g`: fixed or exponent notation, trailing zeros dropped. */
+export function formatGeneral(value: number, digits: number): string {
+  if (value === 0 || !Number.isFinite(value)) {
+    return String(value);
+  }
+  const exponent = Number(value.toExponential(digits - 1).split('e')[1]);
+  if (exponent < -4 || exponent >= digits) {
+    const [mantissa, power] = value.toExponential(digits - 1).split('e');
+    const trimmed = mantissa.includes('.') ? mantissa.replace(/\.?0+$/, '') : mantissa;
+    return pythonExponent(`${trimmed}e${power}`);
+  }
+  return String(Number(value.toPrecision(digits)));
+}

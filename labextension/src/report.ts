@@ -92,6 +92,14 @@ export interface INumerics {
   verdict: Verdict;
   max_rel_diff: number | null;
   detail?: string | null;
+  /** A training cell: the fix's loss per step against the baseline's (engine/losses.py). */
+  loss_verdict?: 'same loss' | 'loss changed' | null;
+  loss_max_rel_diff?: number | null;
+  loss_tolerance?: number | null;
+  loss_steps?: number | null;
+  /** At most 200 points of each curve, spread evenly (null: not finite). */
+  loss_baseline?: (number | null)[] | null;
+  loss_fix?: (number | null)[] | null;
 }
 
 export interface IVariant extends IStats {

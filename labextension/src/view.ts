@@ -7,7 +7,7 @@
  * Every string from the report becomes a text node (see dom.ts): nothing is parsed as HTML.
  */
 
-import { renderChart } from './chart';
+import { renderChart, renderLossCurves } from './chart';
 import { renderCodeChanges } from './code-changes';
 import { h } from './dom';
 import { formatBytes, formatSeconds } from './format';
@@ -215,11 +215,25 @@ function numericsBadge(variant: IVariant): HTMLElement {
   return badge(verdict, `ttm-verdict ttm-verdict-${verdict}`, title);
 }
 
+/** A training cell's loss against the baseline's, the two curves drawn where they differ. */
+function lossNote(variant: IVariant): HTMLElement | null {
+  const worded = words.loss(variant);
+  if (worded === null) {
+    return null;
+  }
+  return h(
+    'div',
+    { className: `ttm-note ttm-loss ${toneClass(worded.tone)}` },
+    worded.text,
+    words.lossCurvesDiffer(variant) && renderLossCurves(variant)
+  );
+}
+
 function numericsCell(variant: IVariant | undefined): HTMLElement {
   if (variant === undefined || variant.error !== null || variant.speedup === null) {
     return h('td', { className: 'ttm-muted', text: '—' });
   }
-  return h('td', {}, numericsBadge(variant));
+  return h('td', {}, numericsBadge(variant), lossNote(variant));
 }
 
 function toggleControl(finding: IFinding, applied: boolean, live: ILive): HTMLElement {

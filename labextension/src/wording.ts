@@ -3,7 +3,7 @@
  * (the text and static HTML fallbacks say the same things from there). Pure strings.
  */
 
-import { formatBytes, formatFactor, formatSeconds } from './format';
+import { formatBytes, formatExponent, formatFactor, formatGeneral, formatSeconds } from './format';
 import {
   IOwnFailure,
   IReport,
@@ -241,6 +241,63 @@ export function memory(report: IReport, variant: IVariant | undefined): IWorded 
   return change < 0
     ? { text: `−${percent}% memory`, tone: 'good', title }
     : { text: `+${percent}% memory`, tone: 'bad', title };
+}
+
+/** 0.001 → `0.1 %`, 0.016 → `1.6 %` (summary._percent). */
+function percent(share: number): string {
+  return `${formatGeneral(share * 100, 2)} %`;
+}
+
+/** A curve's last loss, `2.301` (summary._final). */
+function finalLoss(curve: (number | null)[] | null | undefined): string {
+  const value = curve && curve.length > 0 ? curve[curve.length - 1] : null;
+  return value === null ? 'not finite' : formatGeneral(value, 4);
+}
+
+/**
+ * A training cell's loss curve against the baseline's (summary.loss): `same loss: within
+ * 0.1 % of the baseline's over 28 steps (max rel diff 3.27e-07); final 2.301 → 2.301`,
+ * `loss changed: up to 4.2 % off the baseline's over 28 steps (tolerance 1.6 %); final
+ * 2.301 → 2.401`, or null where no loss was compared.
+ */
+export function loss(variant: IVariant | undefined): IWorded | null {
+  const n = variant?.numerics;
+  if (variant === undefined || variant.error !== null || !n || !n.loss_verdict) {
+    return null;
+  }
+  const steps = `over ${n.loss_steps} step${n.loss_steps === 1 ? '' : 's'}`;
+  const first = finalLoss(n.loss_baseline);
+  const last = finalLoss(n.loss_fix);
+  const diff = n.loss_max_rel_diff ?? null;
+  const tolerance = percent(n.loss_tolerance ?? 0);
+  if (n.loss_verdict !== 'same loss') {
+    // NaN or inf at a step where the other curve is finite: no difference to give
+    const off =
+      diff !== null
+        ? `up to ${percent(diff)} off the baseline's`
+        : "not finite where the baseline's is, or finite where it is not,";
+    return { text: `${n.loss_verdict}: ${off} ${steps} (tolerance ${tolerance}); final ${first} → ${last}`, tone: 'bad' };
+  }
+  if (!diff) {
+    return { text: `${n.loss_verdict}: identical ${steps}; final ${first}`, tone: 'neutral' };
+  }
+  return {
+    text: `${n.loss_verdict}: within ${tolerance} of the baseline's ${steps} (max rel diff ${formatExponent(diff, 2)}); final ${first} → ${last}`,
+    tone: 'neutral'
+  };
+}
+
+/** Whether the two loss curves are worth drawing: compared, and not bit-identical (summary.loss_curves_differ). */
+export function lossCurvesDiffer(variant: IVariant | undefined): boolean {
+  const n = variant?.numerics;
+  return (
+    variant !== undefined &&
+    variant.error === null &&
+    !!n &&
+    n.loss_max_rel_diff !== 0 &&
+    !!n.loss_baseline?.length &&
+    !!n.loss_fix?.length
+  );
 }
 
 /** Earlier measurements of a fix set: `earlier: 1.80× at 14:02, 1.62× at 14:10`. */

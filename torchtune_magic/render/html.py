@@ -128,6 +128,7 @@ def _row(report: Report, finding: Finding) -> str:
         else "–"
     )
     verdict = summary.numerics(variant) if variant and variant.speedup is not None else ""
+    results = _badge(verdict) + _loss(variant) if verdict else "–"
     compute = summary.throughput(variant)
     applied = _badge("applied", "good") if finding.id in report.applied else ""
     caveat = (
@@ -142,7 +143,46 @@ def _row(report: Report, finding: Finding) -> str:
         f'<td style="{_CELL}">{_e(finding.where)}</td>'
         f'<td style="{_CELL}">{fix}{_badge(compute) if compute else ""}</td>'
         f'<td style="{_CELL}">{memory_html}</td>'
-        f'<td style="{_CELL}">{_badge(verdict) if verdict else "–"}</td></tr>'
+        f'<td style="{_CELL}">{results}</td></tr>'
+    )
+
+
+def _loss(variant: Variant | None) -> str:
+    """The loss comparison under the results badge, with the two curves drawn where they
+    differ."""
+    words = summary.loss(variant)
+    if not words or variant is None:
+        return ""
+    tone = "bad" if variant.numerics.loss_verdict != "same loss" else "neutral"
+    curves = _loss_svg(variant) if summary.loss_curves_differ(variant) else ""
+    return f'<div style="{_NOTE};color:{_TONES[tone]}">{_e(words)}</div>{curves}'
+
+
+def _loss_svg(variant: Variant) -> str:
+    """A small inline plot of the baseline's loss per step (grey) and the fix's (blue),
+    on one scale; a point that is not finite is left out."""
+    n = variant.numerics
+    base, fixed = n.loss_baseline or [], n.loss_fix or []
+    values = [v for v in (*base, *fixed) if v is not None]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    width, height, last = 180, 48, max(len(base), len(fixed)) - 1 or 1
+
+    def line(curve: list[float | None], color: str) -> str:
+        points = " ".join(
+            f"{i * width / last:.1f},{height - 2 - (v - low) * (height - 4) / span:.1f}"
+            for i, v in enumerate(curve)
+            if v is not None
+        )
+        return f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{points}"/>'
+
+    title = f"loss per step: baseline (grey), {'+'.join(variant.fixes)} (blue)"
+    return (
+        f'<svg class="ttm-loss-curves" width="{width}" height="{height}" role="img" '
+        f'style="display:block;margin-top:2px"><title>{_e(title)}</title>'
+        f"{line(base, '#9e9e9e')}{line(fixed, '#1565c0')}</svg>"
     )
 
 

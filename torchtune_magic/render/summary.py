@@ -269,6 +269,53 @@ def numerics(variant: Variant | None) -> str:
     return n.verdict
 
 
+def _percent(share: float) -> str:
+    """0.001 → `0.1 %`, 0.016 → `1.6 %`, 2.3e-05 → `0.0023 %`."""
+    return f"{share * 100:.2g} %"
+
+
+def loss(variant: Variant | None) -> str:
+    """A training cell's loss curve against the baseline's: `same loss: within 0.1 % of
+    the baseline's over 28 steps (max rel diff 3.27e-07); final 2.301 → 2.301`, `loss
+    changed: up to 4.2 % off the baseline's over 28 steps (tolerance 1.6 %); final 2.301 →
+    2.401`, or '' where no loss was compared."""
+    if variant is None or variant.error or variant.numerics.loss_verdict is None:
+        return ""
+    n = variant.numerics
+    steps = f"over {n.loss_steps} step{'' if n.loss_steps == 1 else 's'}"
+    first, last = _final(n.loss_baseline), _final(n.loss_fix)
+    diff, tolerance = n.loss_max_rel_diff, _percent(n.loss_tolerance or 0.0)
+    if n.loss_verdict != "same loss":
+        # NaN or inf at a step where the other curve is finite: no difference to give
+        off = "not finite where the baseline's is, or finite where it is not,"
+        if diff is not None:
+            off = f"up to {_percent(diff)} off the baseline's"
+        return f"{n.loss_verdict}: {off} {steps} (tolerance {tolerance}); final {first} → {last}"
+    if not diff:
+        return f"{n.loss_verdict}: identical {steps}; final {first}"
+    return (
+        f"{n.loss_verdict}: within {tolerance} of the baseline's {steps} "
+        f"(max rel diff {diff:.2e}); final {first} → {last}"
+    )
+
+
+def _final(curve: list[float | None] | None) -> str:
+    """A curve's last loss, `2.301`."""
+    value = curve[-1] if curve else None
+    return "not finite" if value is None else f"{value:.4g}"
+
+
+def loss_curves_differ(variant: Variant | None) -> bool:
+    """Whether the two loss curves are worth drawing: compared, and not bit-identical."""
+    return bool(
+        variant
+        and not variant.error
+        and variant.numerics.loss_max_rel_diff != 0.0
+        and variant.numerics.loss_baseline
+        and variant.numerics.loss_fix
+    )
+
+
 def flops(value: int | None) -> str:
     if value is None:
         return "–"

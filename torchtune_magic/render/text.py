@@ -21,6 +21,7 @@ def _finding(report: Report, index: int, finding: Finding) -> list[str]:
         for label, text in (
             ("memory", summary.memory_change(report, variant)),
             ("numerics", summary.numerics(variant)),
+            ("loss", summary.loss(variant)),
             ("compute", summary.throughput(variant)),
             ("before", summary.earlier(report, variant) if variant else ""),
         ):
