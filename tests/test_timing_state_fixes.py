@@ -29,8 +29,8 @@ def test_paired_rounds_rotate_and_pair_each_fix_with_a_baseline_run():
     order: list[str] = []
     runners = {"base": _runner(order, "base", [1.0]), "fix": _runner(order, "fix", [0.5])}
     rounds = timing.paired_rounds(runners, "base", timing.Deadline(5.0))
-    # the baseline opens each round and, while the fix is undecided, closes it too
-    assert order[:6] == ["base", "fix", "base", "base", "fix", "base"]
+    # while the fix is undecided the baseline runs twice a round
+    assert sorted(order[:3]) == sorted(order[3:6]) == ["base", "base", "fix"]
     assert rounds.ratios("fix") == [2.0] * len(rounds.rounds)
     assert rounds.noise() == [1.0] * len(rounds.rounds)  # the A/A ratios: no noise at all
     speedup = rounds.speedup("fix")
@@ -38,7 +38,7 @@ def test_paired_rounds_rotate_and_pair_each_fix_with_a_baseline_run():
     assert len(rounds.rounds) == 3  # 2x against no noise: called at the first look allowed
 
 
-def test_the_fixes_run_in_an_order_rotating_between_the_rounds_baseline_runs():
+def test_every_run_takes_a_place_in_its_round_drawn_anew_each_round():
     order: list[str] = []
     runners = {
         "base": _runner(order, "base", [1.0, 1.1]),
@@ -46,7 +46,13 @@ def test_the_fixes_run_in_an_order_rotating_between_the_rounds_baseline_runs():
         "f2": _runner(order, "f2", [1.05, 0.95]),
     }
     timing.paired_rounds(runners, "base", timing.Deadline(0.5))
-    assert order[:8] == ["base", "f1", "f2", "base", "base", "f2", "f1", "base"]
+    taken = [order[:4], order[4:8]]  # two rounds: neither fix can be called before a third
+    assert all(sorted(r) == ["base", "base", "f1", "f2"] for r in taken)
+    assert taken[0] != taken[1]  # not one fixed order
+    first = list(order)
+    order.clear()
+    timing.paired_rounds(runners, "base", timing.Deadline(0.5))
+    assert order[:8] == first[:8]  # the same draw each time: every rank runs one order
 
 
 def test_a_settled_fix_drops_out_while_an_undecided_one_goes_on_until_the_deadline():

@@ -7,23 +7,25 @@ import pytest
 from torchtune_magic.engine import verdict
 from torchtune_magic.engine.verdict import Speedup
 
+NO_CHANGE, FAST = "no clear change", "faster"
 
-def test_the_interval_comes_from_order_statistics_with_at_least_99_8_percent_coverage():
-    assert verdict.min_rounds() == 10  # 2 x (1/2)^10 = 0.2%
-    assert verdict.rank_for(9) is None
-    assert verdict.rank_for(10) == 1  # the smallest and the largest ratio
-    assert verdict.rank_for(14) == 2
+
+def test_the_interval_comes_from_order_statistics_with_at_least_99_9_percent_coverage():
+    assert verdict.min_rounds() == 11  # 2 x (1/2)^11 = 0.1%
+    assert verdict.rank_for(10) is None
+    assert verdict.rank_for(11) == 1  # the smallest and the largest ratio
+    assert verdict.rank_for(15) == 2
     assert verdict.rank_for(7, 0.98) == 1  # at 98%, seven rounds would do
 
 
 @pytest.mark.parametrize(
     ("ratios", "expected"),
     [
-        ([1.3, 1.25, 1.4, 1.28, 1.31, 1.35, 1.27, 1.3, 1.29, 1.33], "faster"),
-        ([0.7, 0.72, 0.69, 0.75, 0.71, 0.7, 0.73, 0.72, 0.7, 0.74], "slower"),
+        ([1.3, 1.25, 1.4, 1.28, 1.31, 1.35, 1.27, 1.3, 1.29, 1.33, 1.3], "faster"),
+        ([0.7, 0.72, 0.69, 0.75, 0.71, 0.7, 0.73, 0.72, 0.7, 0.74, 0.71], "slower"),
         # one round stalled by another process: one rank, not its size
-        ([1.3, 1.25, 1.4, 1.28, 1.31, 1.35, 0.2, 1.29, 1.3, 1.33, 1.3, 1.32, 1.28, 1.3], "faster"),
-        ([1.01, 1.02, 1.015, 1.012, 1.018, 1.011, 1.016, 1.013, 1.017, 1.014], "no clear change"),
+        ([1.3, 1.25, 1.4, 1.28, 1.31, 1.35, 0.2, 1.29, 1.3, 1.33, 1.3, 1.32, 1.28, 1.3, 1.3], FAST),
+        ([1.01, 1.02, 1.015, 1.012, 1.018, 1.011, 1.016, 1.013, 1.017, 1.014, 1.01], NO_CHANGE),
         ([1.2, 0.8, 1.1, 0.9, 1.3, 0.7, 1.05, 0.95, 1.15, 0.85], "no clear change"),  # straddles
         ([0.5, 0.6, 0.55, 0.52, 0.58, 0.51, 0.56], "no clear change"),  # too few rounds
     ],
@@ -33,17 +35,55 @@ def test_the_verdict_reads_the_interval(ratios: list[float], expected: str):
 
 
 def test_an_interval_straddling_one_is_never_slower_and_asks_for_more_rounds():
-    wide = Speedup.of([0.6, 1.1, 0.7, 1.05, 0.65, 0.75, 0.8, 0.72, 0.68, 0.74])  # high 1.1
+    wide = Speedup.of([0.6, 1.1, 0.7, 1.05, 0.65, 0.75, 0.8, 0.72, 0.68, 0.74, 0.7])  # high 1.1
     assert wide.median < 0.8 and wide.verdict == "no clear change"
     assert not wide.settled and wide.rounds_to_settle() > wide.rounds
-    tight = Speedup.of([0.99, 1.01, 1.0, 1.02, 0.98, 1.0, 1.01, 0.99, 1.0, 1.01])
+    tight = Speedup.of([0.99, 1.01, 1.0, 1.02, 0.98, 1.0, 1.01, 0.99, 1.0, 1.01, 1.0])
     assert tight.verdict == "no clear change" and tight.settled  # nothing worth having hides
     assert tight.rounds_to_settle() is None
 
 
 def test_the_budget_that_would_tell_grows_with_the_rounds_it_needs():
-    wide = Speedup.of([0.8, 1.2, 0.9, 1.15, 0.85, 1.1, 1.0, 0.95, 1.05, 0.9])
+    wide = Speedup.of([0.8, 1.2, 0.9, 1.15, 0.85, 1.1, 1.0, 0.95, 1.05, 0.9, 1.0])
     wanted = verdict.budget_to_tell([wide], budget_s=20, spent_on_rounds_s=14, fixed_s=6)
     assert wanted is not None and wanted >= 25 and wanted % 5 == 0
-    settled = Speedup.of([2.0] * 10)
+    settled = Speedup.of([2.0] * 11)
     assert verdict.budget_to_tell([settled], 20, 14, 6) is None
+
+
+def test_a_large_effect_against_quiet_noise_is_called_in_three_rounds():
+    quiet = [1.01, 0.99, 1.02]  # the rounds' A/A ratios: the baseline against itself
+    speedup = Speedup.of([3.0, 3.1, 2.9], quiet)
+    assert speedup.verdict == "faster" and speedup.settled and speedup.rounds == 3
+    assert speedup.low is not None and 2.5 < speedup.low < 3.0 < speedup.high < 3.5
+    slower = Speedup.of([0.33, 0.31, 0.35], quiet)
+    assert slower.verdict == "slower" and slower.settled
+
+
+def test_the_same_ratios_wait_for_more_rounds_where_the_machine_is_noisy():
+    noisy = [1.4, 0.6, 2.1]  # another process beside the kernel: A/A ratios spread widely
+    speedup = Speedup.of([1.3, 1.28, 1.33], noisy)
+    assert speedup.verdict == "no clear change" and not speedup.settled
+
+
+def test_a_stall_in_one_round_leaves_it_to_the_interval():
+    noise = [1.05, 0.95, 1.1, 1.02, 0.97, 1.08, 1.01, 0.99]
+    ratios = [2.5, 2.4, 0.9, 2.6, 2.7, 2.3, 2.5, 2.2]  # one round's fix run stalled
+    speedup = Speedup.of(ratios, noise)
+    assert speedup.by == "rounds" and not speedup.has_interval  # no separation, 8 rounds
+    more = [*ratios, 2.4, 2.6, 2.5, 2.4, 2.6, 2.5, 2.3]  # 15 rounds: the interval drops one
+    assert Speedup.of(more, [*noise, 1.0, 1.03, 0.98, 1.0, 1.01, 0.99, 1.02]).verdict == "faster"
+
+
+def test_the_chance_of_a_complete_separation():
+    # every fix ratio beyond every A/A ratio on one side: 2^-n / C(n + m, n)
+    assert verdict.separation_chance(3, 3) == pytest.approx(1 / 160)
+    assert verdict.separation_chance(5, 5) == pytest.approx(1 / 252 / 32)
+    assert verdict.separation_chance(5, 5) <= verdict.SEPARATED_ALPHA < (
+        verdict.separation_chance(4, 4)
+    )
+
+
+def test_a_fix_within_the_band_on_a_quiet_machine_settles_no_clear_change_early():
+    speedup = Speedup.of([1.01, 0.99, 1.02, 1.0, 0.98], [1.01, 0.99, 1.0, 1.02, 0.99])
+    assert speedup.by == "quiet" and speedup.settled and speedup.verdict == "no clear change"

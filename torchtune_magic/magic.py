@@ -112,7 +112,7 @@ class PerfcheckMagics(Magics):
         %%perfcheck [options]  (on top of a cell that trains or evaluates a model)
             Runs the cell once with instrumentation, lists what the guide would change with
             the evidence seen, then times the baseline against each fix and the recommended
-            ones together (paired rounds: a speedup with its 99.8% interval, "no clear change"
+            ones together (paired rounds: a speedup with its 99.9% interval, "no clear change"
             where it straddles 1) and checks whether results stayed the same, all within
             --budget. Afterwards the kernel is as if the cell ran once. In JupyterLab, Notebook,
             VS Code and Colab a panel lets you toggle each fix on the live objects, re-time,

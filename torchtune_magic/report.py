@@ -36,6 +36,7 @@ OPTIONAL_MEASUREMENT_FIELDS = (
     "verdict",
     "rounds",
     "budget_to_tell_s",
+    "at_most",
 )
 # A fix's speedup read over paired rounds (engine/verdict.py): the interval decides
 FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
@@ -182,7 +183,9 @@ class Variant:
     one_time_s: float | None = None
     one_time_cause: str | None = None  # what the one-time cost pays for, e.g. "compile"
     break_even_runs: int | None = None
-    judged_by: str | None = None  # "memory": a memory fix under --memory (peak, then time)
+    # "memory": a memory fix under --memory (peak, then time); "whole cell": a fix changing
+    # how many steps the cell runs, its speedup the whole cell's (projected when sampled)
+    judged_by: str | None = None
     # after the cell ran out of memory: whether it ran past the failing step with this fix
     # (its one run's time and peak memory are then this variant's numbers)
     fits: bool | None = None
@@ -204,6 +207,9 @@ class Variant:
     # the budget ran out before the interval settled (or before the fix ran at all): the
     # `--budget` that would most likely tell
     budget_to_tell_s: float | None = None
+    # the most its evidence lets the fix gain (e.g. a loader waiting 1 % of the run: 1.01x),
+    # set where that cannot pass the no-change band: the fix was not timed for nothing
+    at_most: float | None = None
 
     @property
     def is_slower(self) -> bool:

@@ -111,12 +111,12 @@ export interface IVariant extends IStats {
   one_time_cause?: string | null;
   break_even_runs?: number | null;
   /** "memory": a memory fix under --memory, judged by its peak memory first. */
-  judged_by?: 'memory' | null;
+  judged_by?: 'memory' | 'whole cell' | null;
   /** After an out-of-memory cell: whether one run with this memory fix got past the failure. */
   fits?: boolean | null;
   /** The baseline median this speedup was measured against. */
   baseline_median_s?: number | null;
-  /** The speedup's 99.8% interval over paired rounds (null: too few rounds for one). */
+  /** The speedup's 99.9% interval over paired rounds (null: too few rounds for one). */
   speedup_low?: number | null;
   speedup_high?: number | null;
   /** Absent in reports from before paired rounds (then the speedup alone is read). */
@@ -124,6 +124,8 @@ export interface IVariant extends IStats {
   rounds?: number | null;
   /** The budget ran out before the interval settled: the --budget that would tell. */
   budget_to_tell_s?: number | null;
+  /** The most the fix's evidence lets it gain, where that cannot pass the band: not timed. */
+  at_most?: number | null;
   error: string | null;
 }
 
@@ -340,6 +342,9 @@ export function isNoGain(report: IReport, finding: IFinding): boolean {
     return false;
   }
   const variant = soloVariant(report, finding.id);
+  if (variant !== undefined && variant.at_most != null && variant.speedup === null) {
+    return true; // too small to matter: not timed
+  }
   return (
     variant !== undefined &&
     variant.error === null &&

@@ -89,9 +89,7 @@ function renderHeader(report: IReport, live?: ILive): HTMLElement {
       'Baseline',
       [
         document.createTextNode(
-          base.median_s === null
-            ? words.baseline(report)
-            : `${formatSeconds(base.median_s)}${base.iqr_s === null ? '' : ` ± ${formatSeconds(base.iqr_s)}`}${words.perStep(report)} (median ± IQR)`
+          words.baselineTime(report)
         ),
         ...(base.noisy ? [noisyBadge()] : [])
       ]

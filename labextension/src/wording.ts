@@ -104,6 +104,11 @@ export function notEnoughTime(variant: IVariant): string {
   return `not enough time to tell; \`--budget ${Math.round(wanted)}\` would`;
 }
 
+/** Why a fix was not timed: its evidence cannot reach the no-change band (summary.too_small). */
+export function tooSmall(atMost: number): string {
+  return `too small to matter here: its evidence allows at most ${((atMost - 1) * 100).toFixed(1)}% (not timed)`;
+}
+
 /**
  * What a fix measured: `1.54× faster (1.41×–1.66× over 9 rounds)`, `0.87× (…) — measured
  * slower here — not recommended` (only when the whole interval is below 1), `1.01× (…) — no
@@ -113,6 +118,9 @@ export function notEnoughTime(variant: IVariant): string {
 export function speedup(report: IReport, variant: IVariant | undefined): IWorded {
   if (variant?.fits) {
     return { text: FITS, tone: 'good' };
+  }
+  if (variant !== undefined && variant.at_most != null && variant.speedup === null) {
+    return { text: tooSmall(variant.at_most), tone: 'neutral' };
   }
   if (variant === undefined || (variant.speedup === null && variant.error === null)) {
     if (variant !== undefined && variant.budget_to_tell_s) {
@@ -131,7 +139,8 @@ export function speedup(report: IReport, variant: IVariant | undefined): IWorded
     const smaller = (variant.peak_memory_bytes ?? Infinity) < (report.baseline.peak_memory_bytes ?? 0);
     return { text, tone: smaller ? 'good' : 'bad' };
   }
-  const base = `${formatFactor(factor)}${perStep(report)}`;
+  const unit = variant.judged_by === 'whole cell' ? ' (whole cell)' : perStep(report);
+  const base = `${formatFactor(factor)}${unit}`;
   if (isMeasuring(report)) {
     return { text: `${base} ${PROVISIONAL}`, tone: 'pending' };
   }
@@ -326,8 +335,20 @@ export function baseline(report: IReport): string {
   if (b.median_s === null) {
     return isMeasuring(report) ? MEASURING : 'not measured';
   }
-  const spread = b.iqr_s === null ? '' : ` ± ${formatSeconds(b.iqr_s)}`;
-  return `${formatSeconds(b.median_s)}${spread}${perStep(report)} (median ± IQR) over ${count(b.runs, 'run')}`;
+  return `${baselineTime(report)} over ${count(b.runs, 'run')}`;
+}
+
+/** The baseline's median with its IQR (`412 ms ± 11.0 ms per batch (median ± IQR)`); one run
+ * has no spread to show (`412 ms per batch (one run)`). */
+export function baselineTime(report: IReport): string {
+  const b = report.baseline;
+  if (b.median_s === null) {
+    return baseline(report);
+  }
+  if (b.runs <= 1 || b.iqr_s === null) {
+    return `${formatSeconds(b.median_s)}${perStep(report)}${b.runs === 1 ? ' (one run)' : ''}`;
+  }
+  return `${formatSeconds(b.median_s)} ± ${formatSeconds(b.iqr_s)}${perStep(report)} (median ± IQR)`;
 }
 
 /** How a long cell was sampled (summary.sampling_line), or "". */

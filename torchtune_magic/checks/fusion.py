@@ -226,13 +226,14 @@ class CompileFix(Fix):
         return _edited_source(source, self.targets)
 
 
-def _compile_fix(obs: Observation, targets: list[Target]) -> CompileFix | None:
+def _compile_fix(obs: Observation, targets: list[Target], share: float) -> CompileFix | None:
     """The fix, refusing later if a model it compiles in place was replaced since the probe
-    (functions are checked where they are rebound)."""
+    (functions are checked where they are rebound); its gain bounded by the chains' share."""
     if not targets:
         return None
     fix = CompileFix(targets)
     fix.seen = obs.places_of(*(t.module for t in targets if t.module is not None))
+    fix.bounded_by(share)
     return fix
 
 
@@ -348,7 +349,7 @@ class FusePointwiseCheck(Check):
                     ),
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
-                _compile_fix(obs, targets),
+                _compile_fix(obs, targets, share),
                 fixed if fixed != source else None,
                 change.earlier if change is not None else [],
             )

@@ -316,5 +316,5 @@ class ChannelsLastCheck(Check):
                     ],
                 ),
             ),
-            _channels_last_fix(obs, model),
+            _channels_last_fix(obs, model).bounded_by(share.share),
         )

@@ -323,6 +323,7 @@ class AmpCheck(Check):
                 models=change.models,
             )
             fix.seen = obs.places_of(*(module for module, _ in change.models))
+            fix.bounded_by(share)
         source = obs.workload.source
         shown = change.shown or source
         names = sorted({obs.module_path(use.module) for use in uses})

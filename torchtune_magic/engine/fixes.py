@@ -226,6 +226,18 @@ class Fix:
     # leaves each rank 1/N of every epoch): a sampled cell's whole time is projected from
     # the per-step time over that many steps.
     steps_share: float = 1.0
+    # The largest speedup the check's evidence allows this fix (Amdahl's bound: a loader
+    # waiting 30 % of the run can win at most 1/(1 - 0.3) = 1.43x), None where the evidence
+    # gives no bound. The plan measures the most promising fixes first and does not time
+    # one whose bound cannot pass the no-change band.
+    most_gain: float | None = None
+
+    def bounded_by(self, share: float | None) -> Fix:
+        """This fix, its gain bounded by the share of the time it acts on (Amdahl: that
+        share made free); a share unknown or whole gives no bound."""
+        if share is not None and 0.0 <= share < 1.0:
+            self.most_gain = 1.0 / (1.0 - share)
+        return self
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None

@@ -10,7 +10,7 @@ Statistics of one configuration's times come from `torch.utils.benchmark.Measure
 
 from __future__ import annotations
 
-import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -121,6 +121,10 @@ class Rounds:
     # round index -> the baseline run again at the end of that round (while a fix was still
     # undecided): the pair's ratio is the round's A/A ratio (`verdict`'s separation test)
     again: dict[int, float] = field(default_factory=dict)
+    # label -> what one run's ratio is multiplied by to judge the whole cell: a sampled fix
+    # that runs a share of the cell's steps (a DistributedSampler: 1/N of each epoch) does
+    # that share of the work, so its per-step ratio over-counts the cell's time by 1/share
+    whole_cell: dict[str, float] = field(default_factory=dict)
 
     def times(self, label: str) -> list[float]:
         found = [r[label] for r in self.rounds if label in r]
@@ -138,17 +142,16 @@ class Rounds:
         return Measurement(label, self.times(label))
 
     def ratios(self, label: str) -> list[float]:
-        """The baseline's time over this configuration's, in each round both ran (against
-        the geometric mean of the round's two baseline runs where it closed with one)."""
-        found = []
-        for index, times in enumerate(self.rounds):
-            if label not in times or self.baseline not in times or times[label] <= 0:
-                continue
-            base = times[self.baseline]
-            if index in self.again:
-                base = math.sqrt(base * self.again[index])
-            found.append(base / times[label])
-        return found
+        """The baseline's time over this configuration's, in each round both ran (the
+        round's first baseline run: exchangeable with the fix's and the second baseline
+        run's places, as the A/A ratio's are); for a fix judged by the whole cell, scaled
+        to it."""
+        scale = self.whole_cell.get(label, 1.0)
+        return [
+            times[self.baseline] / times[label] * scale
+            for times in self.rounds
+            if label in times and self.baseline in times and times[label] > 0
+        ]
 
     def speedup(self, label: str) -> Speedup | None:
         ratios = self.ratios(label)
@@ -187,17 +190,19 @@ def paired_rounds(
         active = [label for label in variants if not _settled(result.speedup(label))]
         if not active and (variants or index >= wanted):  # no fix: `wanted` rounds
             break
-        # the baseline opens the round, the fixes follow in an order rotating from round
-        # to round, and while a fix is undecided the baseline closes the round as well
-        offset = index % len(active) if active else 0
-        order = [baseline, *active[offset:], *active[:offset], *([AGAIN] if active else [])]
+        # while a fix is undecided the baseline runs twice a round; every run takes a place
+        # drawn at random (the same draw on every rank), so no fix keeps a place that
+        # something periodic on the machine favours over the baseline's
         base_wall = _typical(result.walls.get(baseline, []))
-        predicted = sum(
-            _typical(result.walls.get(label, [])) or base_wall
-            for label in (baseline if label == AGAIN else label for label in order)
-        )
+        predicted = sum(_typical(result.walls.get(label, [])) or base_wall for label in active)
+        predicted += base_wall
         if not deadline.allows(predicted):
             break
+        # ... where the deadline leaves room for it: a round without is still a pairing
+        again = [AGAIN] if active and deadline.allows(predicted + base_wall) else []
+        predicted += base_wall if again else 0.0
+        order = [baseline, *active, *again]
+        random.Random(index).shuffle(order)
         this_round: dict[str, float] = {}
         result.rounds.append(this_round)
         # the rounds a progress line promises at most: the cheapest round there could be
@@ -218,8 +223,8 @@ def paired_rounds(
             try:
                 value = runners[runs_as]()
             except OutOfTime:  # a run that overran the deadline: its round is no pairing
-                if label != AGAIN:
-                    result.rounds.pop()
+                result.rounds.pop()
+                result.again.pop(index, None)
                 result.seconds += time.perf_counter() - started
                 return result
             if label == AGAIN:

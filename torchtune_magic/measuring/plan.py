@@ -8,11 +8,13 @@ it is. The step source a sampled run counts is the probe's own (each process has
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..engine import lockstep, steps, timing
 from ..options import Options
+from ..report import NO_CHANGE_BAND
 
 if TYPE_CHECKING:
     from ..checks import Detection
@@ -76,6 +78,8 @@ class MeasuringPlan:
     combined_share: float = COMBINED_SHARE_OF_ROUNDS
     baseline_only_rounds: int = BASELINE_ONLY_ROUNDS
     give_up_after_s: float = GIVE_UP_AFTER_DEADLINE_S
+    # fixes left untimed because their evidence cannot pass the no-change band: (id, bound)
+    too_small: tuple[tuple[str, float], ...] = ()
 
     @property
     def deadline(self) -> timing.Deadline:
@@ -107,9 +111,11 @@ def make(
     verdict; with `--quick`, all fixes together only). Whether to sample, and where to
     stop first, is decided once per session (`previous` carries it), so a later re-time
     compares like with like."""
-    ids = [d.finding.id for d in fixable]
     by_default = fix_sets is None
+    too_small: tuple[tuple[str, float], ...] = ()
     if fix_sets is None:
+        fixable, too_small = promising_first(fixable)
+        ids = [d.finding.id for d in fixable]
         fix_sets = [ids] if options.quick and ids else [[i] for i in ids]
     configurations: list[tuple[str, ...]] = [()]
     for fix_set in fix_sets:
@@ -119,6 +125,7 @@ def make(
     plan = MeasuringPlan(
         configurations=tuple(configurations),
         combine=combine,
+        too_small=too_small,
         sampled=None,
         calibrated=False,
         deadline_s=deadline.seconds,
@@ -130,6 +137,24 @@ def make(
         return replace(plan, sampled=previous.sampled, calibrated=previous.calibrated)
     depth = _prefetch_depth(trace, fixable)
     return replace(plan, sampled=_sampled(obs, trace, count, depth, plan.planned, deadline.left()))
+
+
+def promising_first(
+    fixable: list[Detection],
+) -> tuple[list[Detection], tuple[tuple[str, float], ...]]:
+    """The fixes to time, the most promising first (no bound known counts as most
+    promising: anomaly mode's cost has none), and those whose evidence allows no gain past
+    the no-change band, with that bound."""
+    band = 1.0 + NO_CHANGE_BAND
+    small = tuple(
+        (d.finding.id, gain)
+        for d in fixable
+        if d.fix is not None and (gain := d.fix.most_gain) is not None and gain < band
+    )
+    skipped = {check_id for check_id, _ in small}
+    timed = [d for d in fixable if d.finding.id not in skipped]
+    timed.sort(key=lambda d: -(d.fix.most_gain or math.inf) if d.fix is not None else 0.0)
+    return timed, small
 
 
 def agreed(plan: MeasuringPlan) -> MeasuringPlan:

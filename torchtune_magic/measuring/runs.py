@@ -165,8 +165,13 @@ class Runs:
             Config(plans.label(ids), [self.fix_for(i) for i in ids]) for ids in plan.configurations
         ]
         self.runner.give_up_at = plan.give_up_at
+        untimed = [
+            Variant(fixes=[check_id], verdict=verdict.NO_CLEAR_CHANGE, at_most=bound)
+            for check_id, bound in plan.too_small
+        ]
         try:
-            return self._measured(configs, plan.deadline, plan.combine)
+            variants, baseline = self._measured(configs, plan.deadline, plan.combine)
+            return [*variants, *untimed], baseline
         finally:
             self.runner.give_up_at = None
 
@@ -335,6 +340,11 @@ class Runs:
         }
         if not runners:
             return
+        if self.sample is not None:  # a fix doing a share of the steps: judged by the cell
+            for config in measuring.runnable:
+                share = math.prod(f.steps_share for f in config.fixes)
+                if share < 1.0:
+                    measuring.rounds.whole_cell[config.label] = 1.0 / share
         timing.paired_rounds(
             runners,
             BASELINE,
@@ -434,8 +444,8 @@ class Runs:
         for label in rounds.labels:
             figures.fill(results[label], rounds.measurement(label))
         if BASELINE not in rounds.labels and BASELINE in measuring.firsts:  # no round fitted:
-            only = measuring.firsts[BASELINE].total_s  # the first run is all there is
-            figures.fill(results[BASELINE], timing.Measurement(BASELINE, [only]))
+            # the first run paid the cold start (workers, caches, compile): no baseline figure
+            # stands on it alone; the cell's complete run says what a run takes
             for config in measuring.runnable[1:]:
                 guess = self._run_guess(measuring, config)
                 results[config.label].budget_to_tell_s = _budget_for(deadline, guess)
@@ -465,6 +475,8 @@ class Runs:
                 speedups.append(speedup)
             if self.options.memory and all(f.saves_memory for f in config.fixes):
                 variant.judged_by = "memory"
+            elif config.label in rounds.whole_cell:
+                variant.judged_by = "whole cell"
             if variant.error:
                 continue
             tolerance = max(f.tolerance for f in config.fixes)
@@ -744,8 +756,8 @@ class Runs:
 def _budget_for(deadline: timing.Deadline, guess: float) -> float:
     """The `--budget` that would leave room for a configuration that did not fit: its
     first run and enough rounds for a verdict, on top of this budget."""
-    rounds = verdict.min_rounds() + 1
-    wanted = deadline.seconds + guess * (1 + 2 * rounds)
+    rounds = steps.TARGET_ROUNDS
+    wanted = deadline.seconds + guess * (1 + 3 * rounds)
     return float(5 * math.ceil(wanted / 5))
 
 

@@ -34,6 +34,8 @@ def no_gain(report: Report, finding: Finding) -> bool:
     if not finding.fixable or report.measuring:
         return False
     variant = solo_variant(report, finding)
+    if variant is not None and variant.at_most is not None and variant.speedup is None:
+        return True  # too small to matter: not timed
     return (
         variant is not None
         and not variant.error
@@ -119,6 +121,8 @@ def speedup(report: Report, variant: Variant | None) -> str:
     `measuring…`, or why not measured; sampled runs add the whole cell, projected."""
     if variant is not None and variant.fits:
         return FITS
+    if variant is not None and variant.at_most is not None and variant.speedup is None:
+        return too_small(variant.at_most)
     if variant is None or (variant.speedup is None and not variant.error):
         if variant is not None and variant.budget_to_tell_s:
             return f"not measured: {not_enough_time(variant)}"
@@ -128,7 +132,8 @@ def speedup(report: Report, variant: Variant | None) -> str:
     assert variant.speedup is not None
     if variant.judged_by == "memory":
         return memory_first(report, variant)
-    text = f"{factor(variant.speedup)}{per_step(report)}"
+    unit = " (whole cell)" if variant.judged_by == "whole cell" else per_step(report)
+    text = f"{factor(variant.speedup)}{unit}"
     if report.measuring:
         text += f" {PROVISIONAL}"
     else:
@@ -148,8 +153,13 @@ def speedup(report: Report, variant: Variant | None) -> str:
     return "; ".join([text, *(extra for extra in extras if extra)])
 
 
+def too_small(at_most: float) -> str:
+    """Why a fix was not timed: its evidence cannot reach the no-change band."""
+    return f"too small to matter here: its evidence allows at most {(at_most - 1):.1%} (not timed)"
+
+
 def interval(variant: Variant) -> str:
-    """` (1.41x–1.66x over 9 rounds)`: the speedup's 99.8% interval over paired rounds, or
+    """` (1.41x–1.66x over 9 rounds)`: the speedup's 99.9% interval over paired rounds, or
     `(too few rounds for an interval)`, or '' for a report from before paired rounds."""
     if variant.rounds is None:
         return ""
@@ -385,8 +395,9 @@ def baseline_line(report: Report) -> str:
         if b.projected_cell_s is not None
         else ""
     )
+    spread = f" ± {seconds(b.iqr_s)} IQR" if b.runs > 1 else ""  # one run has no spread
     return (
-        f"baseline {seconds(b.median_s)}{per_step(report)} ± {seconds(b.iqr_s)} IQR over "
+        f"baseline {seconds(b.median_s)}{per_step(report)}{spread} over "
         f"{count(b.runs, 'run')}{noisy}, peak memory {size(b.peak_memory_bytes)}{compute}{whole} — "
         f"{device}"
     )

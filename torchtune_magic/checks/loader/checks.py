@@ -155,7 +155,7 @@ class WorkersCheck(Check):
         elif workers is not None:
             overrides = {"num_workers": workers, "persistent_workers": True}
             # a loader the cell builds itself is changed in the cell text, not swapped
-            fix = WorkersFix(overrides, None if cell_edit else plan, cell_edit)
+            fix = WorkersFix(overrides, None if cell_edit else plan, cell_edit).bounded_by(share)
         if plan is not None and (fix is None or fix.plan is None):
             plan.close()  # no live swap will use the trial loaders: stop their workers
         where = _where_iterated(target)

@@ -1,0 +1,307 @@
+"""How fast and how safely perfcheck's paired rounds reach a verdict (`engine/verdict.py`).
+
+    python benchmarks/verdicts.py [--json PATH] [--busy] [--checks N] [--aa-rounds N]
+
+Two parts, both on this machine as it is (`--busy` starts one CPU-bound process beside the
+measuring, and ends it after):
+
+1. **False verdicts on A/A controls**, measured the way the 99.8 % interval was chosen:
+   two cells are timed in rounds of the real round shape (baseline, the "fix", the baseline
+   again), where the "fix" is the baseline itself, for `--aa-rounds` rounds. Then the
+   sequential procedure `timing.paired_rounds` follows is replayed from every starting
+   round: the speedup re-read after each round, stopped at the first look that settles it
+   or after 40 rounds. A "faster" or "slower" there is a false verdict.
+2. **Rounds and seconds to a verdict** for cells with known effects, checked through
+   `perfcheck` at the default budget, `--checks` times each: a slow loader (workers, about
+   3x), bf16 autocast on a small CNN (about 2x on a CPU with native bf16), and anomaly mode
+   on a small MLP (a smaller fix). Reported: each check's verdict, its rounds, and the
+   seconds from the first measuring report to the last.
+
+Writes JSON (default benchmarks/results/verdicts[-busy].json) and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from torchtune_magic import perfcheck
+from torchtune_magic.engine import timing, verdict
+from torchtune_magic.report import Report
+
+MAX_LOOKS = 40
+
+AA_CELLS = {
+    "mlp step (raw tensors)": (
+        """
+import torch
+torch.manual_seed(0)
+w1, w2 = torch.randn(64, 256, requires_grad=True), torch.randn(256, 1, requires_grad=True)
+x, y = torch.randn(128, 64), torch.randn(128, 1)
+""",
+        """
+for _ in range(5):  # the same work every run: no state carried from one to the next
+    loss = ((x @ w1).relu() @ w2 - y).pow(2).mean()
+    loss.backward()
+    w1.grad = None
+    w2.grad = None
+""",
+    ),
+    "conv forward": (
+        """
+import torch
+from torch import nn
+torch.manual_seed(0)
+net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+batch = torch.randn(8, 3, 32, 32)
+""",
+        """
+with torch.no_grad():
+    for _ in range(3):
+        out = net(batch)
+""",
+    ),
+}
+
+EFFECT_SETUP = {
+    "slow loader (workers)": """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from slow_data import SlowDataset
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loader = DataLoader(SlowDataset(n=160, delay_s=0.004), batch_size=8)
+""",
+    "bf16 autocast (CNN)": """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1),
+                      nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+batch = torch.randn(32, 3, 48, 48)
+""",
+    "anomaly mode (MLP)": """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(6)])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+X, Y = torch.randn(32, 64), torch.randn(32, 64)
+torch.autograd.set_detect_anomaly(True)
+""",
+}
+EFFECT_CELLS = {
+    "slow loader (workers)": ("dataloader-workers", """
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+"""),
+    "bf16 autocast (CNN)": ("amp", """
+with torch.no_grad():
+    for _ in range(8):
+        scores = model(batch)
+"""),
+    "anomaly mode (MLP)": ("debug-anomaly", """
+for step in range(60):
+    opt.zero_grad()
+    nn.functional.mse_loss(model(X), Y).backward()
+    opt.step()
+"""),
+}
+
+
+@contextlib.contextmanager
+def spinner(busy: bool) -> Iterator[None]:
+    """One CPU-bound process beside the measuring, ended (by its pid) afterwards."""
+    if not busy:
+        yield
+        return
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _cell(setup: str, cell: str) -> Callable[[], float]:
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(textwrap.dedent(setup), namespace)
+    code = compile(textwrap.dedent(cell), "<cell>", "exec")
+
+    def run() -> float:
+        started = time.perf_counter()
+        exec(code, namespace)
+        return time.perf_counter() - started
+
+    return run
+
+
+def record_aa(setup: str, cell: str, rounds: int) -> list[tuple[float, float, float]]:
+    """`rounds` rounds of (baseline, the same cell as the fix, baseline again), each run in
+    a place drawn at random in its round, as `timing.paired_rounds` runs them."""
+    run = _cell(setup, cell)
+    for _ in range(5):
+        run()
+    recorded = []
+    for index in range(rounds):
+        roles = ["base", "fix", "again"]
+        random.Random(index).shuffle(roles)
+        times = {role: run() for role in roles}
+        recorded.append((times["base"], times["fix"], times["again"]))
+    return recorded
+
+
+def replay(recorded: list[tuple[float, float, float]], start: int) -> str:
+    """The verdict the sequential procedure reaches from round `start` on."""
+    rounds = timing.Rounds("base")
+    for index, (base, fix, again) in enumerate(recorded[start : start + MAX_LOOKS]):
+        rounds.rounds.append({"base": base, "fix": fix})
+        rounds.again[index] = again
+        speedup = rounds.speedup("fix")
+        if speedup is not None and speedup.settled:
+            return speedup.verdict
+    return "undecided"
+
+
+def false_verdicts(busy: bool, aa_rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, (setup, cell) in AA_CELLS.items():
+        with spinner(busy):
+            recorded = record_aa(setup, cell, aa_rounds)
+        starts = range(0, max(1, len(recorded) - MAX_LOOKS))
+        outcomes = [replay(recorded, s) for s in starts]
+        wrong = sum(o in (verdict.FASTER, verdict.SLOWER) for o in outcomes)
+        ratios = [b / f for b, f, _ in recorded]
+        rows.append(
+            {
+                "control": name,
+                "rounds_recorded": len(recorded),
+                "starting_points": len(outcomes),
+                "false_verdicts": wrong,
+                "false_share": wrong / len(outcomes),
+                "no_clear_change": outcomes.count(verdict.NO_CLEAR_CHANGE),
+                "undecided": outcomes.count("undecided"),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "run_median_s": statistics.median(b for b, _, _ in recorded),
+            }
+        )
+    return rows
+
+
+def effects(busy: bool, checks: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, (check_id, cell) in EFFECT_CELLS.items():
+        for repeat in range(checks):
+            namespace: dict[str, Any] = {"__name__": "__main__"}
+            exec(textwrap.dedent(EFFECT_SETUP[name]), namespace)
+            seen: list[tuple[float, Report]] = []
+            started = time.perf_counter()
+            with spinner(busy), contextlib.redirect_stdout(io.StringIO()):
+                report = perfcheck(
+                    textwrap.dedent(cell),
+                    namespace,
+                    checks=check_id,
+                    on_report=functools.partial(_keep, seen),
+                )
+            wall = time.perf_counter() - started
+            measuring = [t for t, r in seen if r.phase == "measuring"]
+            done = [t for t, r in seen if r.phase != "measuring"]
+            variant = report.variant_for([check_id])
+            import torch
+
+            torch.autograd.set_detect_anomaly(False)
+            rows.append(
+                {
+                    "cell": name,
+                    "check": check_id,
+                    "repeat": repeat,
+                    "found": report.finding(check_id) is not None,
+                    "verdict": variant.verdict if variant else None,
+                    "speedup": variant.speedup if variant else None,
+                    "low": variant.speedup_low if variant else None,
+                    "high": variant.speedup_high if variant else None,
+                    "rounds": variant.rounds if variant else None,
+                    "measuring_s": (done[0] - measuring[0]) if measuring and done else None,
+                    "wall_s": wall,
+                    "budget_to_tell_s": variant.budget_to_tell_s if variant else None,
+                }
+            )
+    return rows
+
+
+def _keep(seen: list[tuple[float, Report]], report: Report) -> None:
+    seen.append((time.perf_counter(), report))
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.2f}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--busy", action="store_true")
+    parser.add_argument("--checks", type=int, default=2)
+    parser.add_argument("--aa-rounds", type=int, default=300)
+    args = parser.parse_args()
+    load = "busy" if args.busy else "quiet"
+    result = {
+        "load": load,
+        "false_verdicts": false_verdicts(args.busy, args.aa_rounds),
+        "effects": effects(args.busy, args.checks),
+    }
+    out = args.json or Path(__file__).parent / "results" / f"verdicts-{load}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"## A/A controls ({load})\n")
+    print(
+        "| control | rounds | starting points | false verdicts | no clear change | undecided "
+        "| ratio range |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in result["false_verdicts"]:
+        print(
+            f"| {row['control']} | {row['rounds_recorded']} | {row['starting_points']} | "
+            f"{row['false_verdicts']} ({row['false_share']:.1%}) | {row['no_clear_change']} | "
+            f"{row['undecided']} | {row['ratio_min']:.2f}–{row['ratio_max']:.2f} |"
+        )
+    print(f"\n## Known effects at the default budget ({load})\n")
+    print("| cell | check | verdict | speedup (interval) | rounds | measuring s | wall s |")
+    print("|---|---|---|---|---|---|---|")
+    for row in result["effects"]:
+        interval = f"{_fmt(row['speedup'])} ({_fmt(row['low'])}–{_fmt(row['high'])})"
+        print(
+            f"| {row['cell']} | {row['check']} | {_fmt(row['verdict'])} | {interval} | "
+            f"{_fmt(row['rounds'])} | {_fmt(row['measuring_s'])} | {_fmt(row['wall_s'])} |"
+        )
+    print(f"\nwritten: {out}")
+
+
+if __name__ == "__main__":
+    main()
