@@ -394,7 +394,7 @@ fix.undo()
 undone = mapped(30 << 20)
 
 ns = namespace_with(SETUP)
-session = detected(CELL, ns, checks="cpu-allocator", budget=4)
+session = detected(CELL, ns, checks="cpu-allocator", budget=8)
 report = session.measure()
 variant = report.variant_for(["cpu-allocator"])
 findings = [f.__dict__ | {"code_change": f.code_change.__dict__} for f in report.findings]

@@ -217,7 +217,7 @@ def test_copy_checks_from_recorded_host_copies():
     assert "torch.randn(4, 8, device=dev)" in edited
     assert "torch.ones(3, dtype=torch.float32, device=dev)" in edited
     [(_, cuda_text, _)] = factory_moves("y = torch.zeros(2,).cuda()\n", {1})
-    assert cuda_text == 'torch.zeros(2, device="cuda")'
+    assert cuda_text == 'torch.zeros(2, device="cuda",)'  # the call's trailing comma kept
     assert "xp.to(dev)" in edited and "draws from the CUDA generator" in on_device.finding.caveat
     [blocking] = registry.get("non-blocking-copy").detect(obs)
     assert blocking.fix.edit_source(cell).count("non_blocking=True") == 1

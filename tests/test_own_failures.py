@@ -126,7 +126,7 @@ def test_a_failure_of_ours_is_contained_at_its_part(
     inject(monkeypatch)
 
     report = perfcheck(
-        textwrap.dedent(CELL), ns, budget=4, skip="cpu-threads,cpu-allocator,fuse-pointwise"
+        textwrap.dedent(CELL), ns, budget=8, skip="cpu-threads,cpu-allocator,fuse-pointwise"
     )
 
     # the cell's own output, once, as a plain run prints it
@@ -141,12 +141,12 @@ def test_a_failure_of_ours_is_contained_at_its_part(
     assert {f.id for f in report.findings} >= still_found
     if part == "measuring":
         assert report.variants == []
-    elif part == "numerics":
-        measured = [v for v in report.variants if v.speedup is not None]
-        assert measured, "the fixes were still timed"
+    elif still_found:  # measuring went on: timed, or out of time with what would tell
+        assert report.baseline.median_s is not None, report.warnings
+        assert {v.fixes[0] for v in report.variants} >= still_found
+        assert all(v.speedup is not None or v.budget_to_tell_s for v in report.variants)
+    if part == "numerics":
         assert all(v.numerics.verdict == "not-compared" for v in report.variants)
-    elif still_found:
-        assert any(v.speedup is not None for v in report.variants)
     # every view says so
     assert f"{part_name} failed: RuntimeError: injected failure" in text.render(report)
     assert f"{part_name} failed: RuntimeError: injected failure" in html.render(report)

@@ -101,7 +101,7 @@ def test_train_is_flagged_measured_through_its_arguments_and_ends_as_one_plain_t
     (change,) = workers.code_change.cells  # the earlier cell's TrainingArguments(...) call
     assert change.execution_count == 1
     assert "+    dataloader_num_workers=" in change.diff
-    assert "dataloader_persistent_workers=True)" in change.diff
+    assert "dataloader_persistent_workers=True," in change.diff  # the call's trailing comma kept
     variant = report.variant_for(["dataloader-workers"])
     assert variant.error is None, variant.error
     assert variant.speedup > 1.5  # 5 ms items: workers overlap the waits
