@@ -5,7 +5,8 @@
 Two parts, both on this machine as it is (`--busy` starts one CPU-bound process beside the
 measuring, and ends it after):
 
-1. **False verdicts on A/A controls**, measured the way the 99.8 % interval was chosen:
+1. **False verdicts on A/A controls**, measured the way the 99.8 % interval was chosen
+   (and for that procedure too, on the same rounds):
    two cells are timed in rounds of the real round shape (baseline, the "fix", the baseline
    again), where the "fix" is the baseline itself, for `--aa-rounds` rounds. Then the
    sequential procedure `timing.paired_rounds` follows is replayed from every starting
@@ -42,9 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from torchtune_magic import perfcheck
 from torchtune_magic.engine import timing, verdict
+from torchtune_magic.engine.verdict import Speedup
 from torchtune_magic.report import Report
 
 MAX_LOOKS = 40
+PREVIOUS_CONFIDENCE = 0.998  # the interval alone, before the separation test
 
 AA_CELLS = {
     "mlp step (raw tensors)": (
@@ -172,13 +175,18 @@ def record_aa(setup: str, cell: str, rounds: int) -> list[tuple[float, float, fl
     return recorded
 
 
-def replay(recorded: list[tuple[float, float, float]], start: int) -> str:
-    """The verdict the sequential procedure reaches from round `start` on."""
+def replay(recorded: list[tuple[float, float, float]], start: int, before: bool = False) -> str:
+    """The verdict the sequential procedure reaches from round `start` on; `before`: the
+    procedure this one replaced (the 99.8 % order-statistic interval alone, no A/A ratio),
+    on the same rounds."""
     rounds = timing.Rounds("base")
     for index, (base, fix, again) in enumerate(recorded[start : start + MAX_LOOKS]):
         rounds.rounds.append({"base": base, "fix": fix})
         rounds.again[index] = again
-        speedup = rounds.speedup("fix")
+        if before:
+            speedup = Speedup.of(rounds.ratios("fix"), None, PREVIOUS_CONFIDENCE)
+        else:
+            speedup = rounds.speedup("fix")
         if speedup is not None and speedup.settled:
             return speedup.verdict
     return "undecided"
@@ -192,6 +200,8 @@ def false_verdicts(busy: bool, aa_rounds: int) -> list[dict[str, Any]]:
         starts = range(0, max(1, len(recorded) - MAX_LOOKS))
         outcomes = [replay(recorded, s) for s in starts]
         wrong = sum(o in (verdict.FASTER, verdict.SLOWER) for o in outcomes)
+        before = [replay(recorded, s, before=True) for s in starts]
+        wrong_before = sum(o in (verdict.FASTER, verdict.SLOWER) for o in before)
         ratios = [b / f for b, f, _ in recorded]
         rows.append(
             {
@@ -200,6 +210,7 @@ def false_verdicts(busy: bool, aa_rounds: int) -> list[dict[str, Any]]:
                 "starting_points": len(outcomes),
                 "false_verdicts": wrong,
                 "false_share": wrong / len(outcomes),
+                "false_verdicts_before": wrong_before,
                 "no_clear_change": outcomes.count(verdict.NO_CLEAR_CHANGE),
                 "undecided": outcomes.count("undecided"),
                 "ratio_min": min(ratios),
@@ -269,11 +280,14 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true")
     parser.add_argument("--checks", type=int, default=2)
     parser.add_argument("--aa-rounds", type=int, default=300)
+    parser.add_argument("--aa-repeats", type=int, default=3, help="recordings per control")
     args = parser.parse_args()
     load = "busy" if args.busy else "quiet"
     result = {
         "load": load,
-        "false_verdicts": false_verdicts(args.busy, args.aa_rounds),
+        "false_verdicts": [
+            row for _ in range(args.aa_repeats) for row in false_verdicts(args.busy, args.aa_rounds)
+        ],
         "effects": effects(args.busy, args.checks),
     }
     out = args.json or Path(__file__).parent / "results" / f"verdicts-{load}.json"
@@ -281,14 +295,15 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     print(f"## A/A controls ({load})\n")
     print(
-        "| control | rounds | starting points | false verdicts | no clear change | undecided "
-        "| ratio range |"
+        "| control | rounds | starting points | false verdicts | before (99.8 % interval "
+        "alone) | no clear change | undecided | ratio range |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in result["false_verdicts"]:
         print(
             f"| {row['control']} | {row['rounds_recorded']} | {row['starting_points']} | "
-            f"{row['false_verdicts']} ({row['false_share']:.1%}) | {row['no_clear_change']} | "
+            f"{row['false_verdicts']} ({row['false_share']:.1%}) | "
+            f"{row['false_verdicts_before']} | {row['no_clear_change']} | "
             f"{row['undecided']} | {row['ratio_min']:.2f}–{row['ratio_max']:.2f} |"
         )
     print(f"\n## Known effects at the default budget ({load})\n")
