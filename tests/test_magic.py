@@ -12,7 +12,7 @@ from workloads import LOAD_DEPENDENT, TRAIN_SETUP
 from torchtune_magic import magic
 from torchtune_magic.report import Report, load_schema
 
-TRAIN = f"""%%perfcheck -o --budget 1.5 --skip {LOAD_DEPENDENT} {{extra}}
+TRAIN = f"""%%perfcheck -o --budget 3 --skip {LOAD_DEPENDENT} {{extra}}
 with torch.autograd.detect_anomaly():
     for step in range(5):
         opt.zero_grad(set_to_none=False)

@@ -20,7 +20,7 @@ from torchtune_magic.render.widget import Panel
 from torchtune_magic.report import MIME_TYPE, Finding, Report
 from torchtune_magic.session import Session
 
-BUDGET_S = 1.0
+BUDGET_S = 2.0
 
 TRAIN_CELL = textwrap.dedent(
     """

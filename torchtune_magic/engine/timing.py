@@ -198,8 +198,10 @@ def paired_rounds(
         predicted += base_wall
         if not deadline.allows(predicted):
             break
-        # ... where the deadline leaves room for it: a round without is still a pairing
-        again = [AGAIN] if active and deadline.allows(predicted + base_wall) else []
+        # ... where the deadline leaves room for it and the machine is quiet enough for the
+        # separation test to use it (`verdict.quiet`): a round without is still a pairing
+        quiet = verdict.quiet(result.noise())
+        again = [AGAIN] if active and quiet and deadline.allows(predicted + base_wall) else []
         predicted += base_wall if again else 0.0
         order = [baseline, *active, *again]
         random.Random(index).shuffle(order)

@@ -102,6 +102,12 @@ def min_rounds(confidence: float = CONFIDENCE) -> int:
     return n
 
 
+def quiet(noise: list[float]) -> bool:
+    """Whether the A/A ratios seen so far leave the separation test in play (none reaches
+    QUIET_NOISE); a machine not yet seen counts as quiet."""
+    return all(1 / QUIET_NOISE < a < QUIET_NOISE for a in noise if a > 0 and math.isfinite(a))
+
+
 def separation_chance(n: int, m: int) -> float:
     """The chance that n ratios of a fix changing nothing all lie beyond m A/A ratios on
     one given side: 2^-n / C(n + m, n)."""

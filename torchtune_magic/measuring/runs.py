@@ -444,8 +444,8 @@ class Runs:
         for label in rounds.labels:
             figures.fill(results[label], rounds.measurement(label))
         if BASELINE not in rounds.labels and BASELINE in measuring.firsts:  # no round fitted:
-            # the first run paid the cold start (workers, caches, compile): no baseline figure
-            # stands on it alone; the cell's complete run says what a run takes
+            only = measuring.firsts[BASELINE].total_s  # the first run is all there is
+            figures.fill(results[BASELINE], timing.Measurement(BASELINE, [only]))
             for config in measuring.runnable[1:]:
                 guess = self._run_guess(measuring, config)
                 results[config.label].budget_to_tell_s = _budget_for(deadline, guess)
