@@ -395,7 +395,7 @@ fix.undo()
 undone = mapped(30 << 20)
 
 ns = namespace_with(SETUP)
-session = detected(CELL, ns, checks="cpu-allocator", budget=15)  # rounds stop once it tells
+session = detected(CELL, ns, checks="cpu-allocator", budget=30)  # rounds stop once it tells
 report = session.measure()
 variant = report.variant_for(["cpu-allocator"])
 findings = [f.__dict__ | {"code_change": f.code_change.__dict__} for f in report.findings]
