@@ -105,7 +105,13 @@ def min_rounds(confidence: float = CONFIDENCE) -> int:
 def quiet(noise: list[float]) -> bool:
     """Whether the A/A ratios seen so far leave the separation test in play (none reaches
     QUIET_NOISE); a machine not yet seen counts as quiet."""
-    return all(1 / QUIET_NOISE < a < QUIET_NOISE for a in noise if a > 0 and math.isfinite(a))
+    spread = [abs(math.log(a)) for a in noise if a > 0 and math.isfinite(a)]
+    return _quiet_spread(max(spread, default=0.0))
+
+
+def _quiet_spread(widest: float) -> bool:
+    """The one rule for a quiet machine: no A/A log-ratio reaches log(QUIET_NOISE)."""
+    return widest < math.log(QUIET_NOISE)
 
 
 def separation_chance(n: int, m: int) -> float:
@@ -235,7 +241,7 @@ def _separated(ordered: list[float], widest: float, m: int) -> bool:
     if not one_side or nearest <= widest:
         return False
     chance = separation_chance(n, m)
-    if widest > math.log(QUIET_NOISE):  # stalls show in a busy machine's A/A ratios
+    if not _quiet_spread(widest):  # stalls show in a busy machine's A/A ratios
         return False
     return chance <= SEPARATED_ALPHA or (nearest >= MARGIN * widest and chance <= MARGIN_ALPHA)
 
