@@ -7,7 +7,6 @@ import workloads
 from torch import nn
 from workloads import namespace_with
 
-from torchtune_magic import perfcheck
 from torchtune_magic.session import Session
 
 EVAL = """
@@ -65,6 +64,13 @@ def detected(cell: str, ns: dict, checks: str = "conv-bias-bn") -> Session:
     return workloads.detected(cell, ns, checks=checks)
 
 
+def _measured(cell: str, ns: dict):
+    """The fix measured as a fix set named by the caller: the plan's own choice would leave
+    it untimed here, its bias add too small a share of this run to pass the band."""
+    session = workloads.detected(cell, ns, checks="conv-bias-bn", budget=2)
+    return session.measure([["conv-bias-bn"]])
+
+
 def _finding(cell: str, ns: dict):
     detections = detected(cell, ns).detections
     assert len(detections) == 1
@@ -74,7 +80,7 @@ def _finding(cell: str, ns: dict):
 def test_nested_sequential_in_eval_keeps_outputs():
     ns = namespace(NESTED)
     ns["model"].eval()
-    report = perfcheck(EVAL, ns, checks="conv-bias-bn", budget=2)
+    report = _measured(EVAL, ns)
     finding = report.finding("conv-bias-bn")
     assert finding.fixable and finding.where == "model.0.0, model.1.0"
     assert "model.0.0 (Conv2d, 8 channels) fed model.0.1 on all 1 calls" in finding.evidence
@@ -102,7 +108,7 @@ def test_factory_blocks_with_conv3d():
 
 def test_training_cell_stays_close_and_optimizer_skips_the_bias():
     ns = namespace(NESTED + "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n")
-    report = perfcheck(TRAIN, ns, checks="conv-bias-bn", budget=2)
+    report = _measured(TRAIN, ns)
     numerics = report.variant_for(["conv-bias-bn"]).numerics
     assert numerics.verdict in ("identical", "close"), numerics
 

@@ -85,6 +85,8 @@ def test_report_json_validates_against_the_shipped_schema(tmp_path: Path):
     for fixes in ids:  # the fixes together are the recommended ones, never a loser among them
         assert len(fixes) == 1 or sorted(fixes) == recommended
     for variant in data["variants"]:
+        if variant["speedup"] is None and variant.get("at_most") is not None:
+            continue  # too small to matter here (zero-grad-none's fill can be): not timed
         # the median of the paired rounds' ratios, inside its interval over those rounds; a
         # fix measured slower (set-to-None grads with glibc's allocator can be) is never
         # recommended

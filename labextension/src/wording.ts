@@ -370,7 +370,9 @@ export function sampling(report: IReport): string {
     : '';
   return (
     `sampled: every measuring run stopped after ${s.unit} ${last}${of}${detail}, ` +
-    `${plural(s.unit)} ${first}–${last} timed after ${s.warmup_steps} warm-up` +
+    (s.warmup_steps > 0
+      ? `${plural(s.unit)} ${first}–${last} timed after ${s.warmup_steps} warm-up`
+      : `the first epoch timed whole`) +
     `${restart}; times are per ${s.unit}, the whole cell projected`
   );
 }

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.browser
 # Measuring on a busy 2-core machine: the probe, warm-ups and interleaved runs take a while.
 MEASURE_TIMEOUT = 120_000
 FACTOR = re.compile(r"\d+\.\d\d\d?×")
+FACTOR_OR_TOO_SMALL = re.compile(r"\d+\.\d\d\d?×|^too small to matter here: its evidence allows")
 # The panel's top and the notebook's visible band, in page pixels.
 IN_VIEW = """panel => {
   const scroller = panel.closest('.jp-WindowedPanel-outer') || document.scrollingElement;
@@ -66,9 +67,11 @@ def test_live_panel_and_saved_report_are_one_view_and_keep_every_measurement(
 
     # Live: findings at once, numbers as they come; the saved report is there but hidden.
     expect(panel).to_be_visible()
-    for finding in ("debug-anomaly", "zero-grad-none"):
+    # zero-grad-none's bound (a fill and a read of 0.4 M grads a step) sits near the 2 %
+    # band here: timed, or untimed as too small to matter, by how fast this machine is now
+    for finding, shown in (("debug-anomaly", FACTOR), ("zero-grad-none", FACTOR_OR_TOO_SMALL)):
         speedup = _row(panel, finding).locator(".ttm-speedup-text")
-        expect(speedup).to_have_text(FACTOR, timeout=MEASURE_TIMEOUT)
+        expect(speedup).to_have_text(shown, timeout=MEASURE_TIMEOUT)
         expect(speedup).not_to_have_text("not measured")
     expect(panel.locator(".ttm-progress")).to_have_count(0, timeout=MEASURE_TIMEOUT)  # done
     expect(report).to_be_hidden()

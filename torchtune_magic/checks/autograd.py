@@ -17,6 +17,7 @@ import torch
 from ..engine import codeedit, discovery
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
+from . import bounds
 from .base import Check, Detection, size_text
 from .userfuncs import function_locations
 
@@ -468,6 +469,28 @@ class _ZeroGradNone(Fix):
         return codeedit.edited(source, lambda s: codeedit.replace_nodes(s, edits))[0]
 
 
+def _zeroing_share(obs: Observation, owners: list[Any], calls: int) -> float | None:
+    """The largest share of a plain run setting grads to None can save: per in-place
+    zero_grad call, the fill of every grad and the first accumulation's read of it
+    (`bounds`)."""
+    params: dict[int, torch.Tensor] = {}
+    for owner in owners:
+        if isinstance(owner, torch.optim.Optimizer):
+            found = [p for group in owner.param_groups for p in group["params"]]
+        elif isinstance(owner, torch.nn.Module):
+            found = list(owner.parameters())
+        else:
+            return None
+        params.update((id(p), p) for p in found)
+    if not params:
+        return None
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in params.values():
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+    saved_s = sum(bounds.passes_s(n, 2 * calls, dtype) for dtype, n in by_dtype.items())
+    return bounds.share_of_run(saved_s, obs.wall_s)
+
+
 class ZeroGradNoneCheck(Check):
     id = "zero-grad-none"
     title = "Gradients are zeroed in place instead of set to None"
@@ -491,6 +514,8 @@ class ZeroGradNoneCheck(Check):
         fix = None
         if owners or manual:
             fix = _ZeroGradNone({_name(obs, owner): owner for owner in owners}, manual)
+            if not manual:  # in-place zeroing through zero_grad only: its grads are known
+                fix.bounded_by(_zeroing_share(obs, owners, len(in_place_calls)))
             fix.seen = obs.places_of(*owners)
         lines = sorted(
             {c.line for c in in_place_calls if c.line is not None}

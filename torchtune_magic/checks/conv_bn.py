@@ -18,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..engine import discovery, history
 from ..engine.fixes import Fix, Patcher
 from ..report import CodeChange
+from . import bounds
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -143,6 +144,33 @@ class DropConvBiasFix(Fix):
         patcher.call(lambda: None, handle.remove)
 
 
+def _output_elements(conv: nn.Module, shape: tuple[int, ...] | None) -> int | None:
+    """Values in one output of `conv` for an input of `shape`, worked out on the meta
+    device (no compute); None where the shape is unknown or does not fit the conv."""
+    if shape is None:
+        return None
+    try:
+        meta = torch.empty(shape, device="meta", dtype=conv.weight.dtype)
+        return conv._conv_forward(meta, conv.weight.to("meta"), None).numel()
+    except (RuntimeError, ValueError, TypeError):
+        return None
+
+
+def saved_share(obs: Observation, pairs: list[_Pair]) -> float | None:
+    """The largest share of a plain run the fix can save: each call's bias add over the
+    conv's output and, for calls that record grads, the bias gradient's reduction over it
+    (`bounds`); None where a conv's output size is unknown."""
+    saved_s = 0.0
+    for pair in pairs:
+        use = obs.modules.get(id(pair.conv))
+        elements = _output_elements(pair.conv, use.input_shape if use else None)
+        if use is None or elements is None:
+            return None
+        passes = use.calls + use.grad_calls
+        saved_s += bounds.passes_s(elements, passes, pair.conv.weight.dtype)
+    return bounds.share_of_run(saved_s, obs.wall_s)
+
+
 def _constructor(conv: nn.Module) -> str:
     return f"nn.{type(conv).__name__}({conv.extra_repr()}, bias=False)"
 
@@ -223,7 +251,7 @@ class ConvBiasBNCheck(Check):
                 "run makes new modules: change the constructors"
             )
         else:
-            fix = DropConvBiasFix(pairs)
+            fix = DropConvBiasFix(pairs).bounded_by(saved_share(obs, pairs))
             fix.seen = obs.places_of(*(pair.conv for pair in pairs))
         earlier = _earlier_edits(obs, pairs)
         edited = {path for path, _ in earlier}

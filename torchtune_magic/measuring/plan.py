@@ -47,13 +47,15 @@ GIVE_UP_AFTER_DEADLINE_S = 1.0  # a run to a step still going this long past the
 @dataclass(frozen=True)
 class Sampled:
     """Every measuring run stops after step `stop`, steps 1 … `warmup` untimed (the
-    numbers of a `steps.SamplePlan`, without its step source)."""
+    numbers of a `steps.SamplePlan`, without its step source). `whole_epoch`: each run is
+    the cell's first epoch, timed whole (`_epoch_sampled`), and its stop stays there."""
 
     warmup: int
     stop: int
     min_timed: int
     per_epoch: int | None
     settle: int
+    whole_epoch: bool = False
 
     def plan(self, source: steps.StepSource) -> steps.SamplePlan:
         return steps.SamplePlan(
@@ -113,10 +115,12 @@ def make(
     compares like with like."""
     by_default = fix_sets is None
     too_small: tuple[tuple[str, float], ...] = ()
-    if fix_sets is None:
-        fixable, too_small = promising_first(fixable)
+    if fix_sets is None and options.quick:  # all together: a small fix still counts there
         ids = [d.finding.id for d in fixable]
-        fix_sets = [ids] if options.quick and ids else [[i] for i in ids]
+        fix_sets = [ids] if ids else []
+    elif fix_sets is None:
+        fixable, too_small = promising_first(fixable)
+        fix_sets = [[d.finding.id] for d in fixable]
     configurations: list[tuple[str, ...]] = [()]
     for fix_set in fix_sets:
         if fix_set and label(fix_set) not in {label(c) for c in configurations}:
@@ -180,7 +184,7 @@ def calibrated(
     to the end of the warm-up `lead_s`, then `step_s` a step), so that the timed rounds fit
     in `budget_s` (the profiled runs already paid for)."""
     sampled = plan.sampled
-    if sampled is None or lead_s is None or step_s is None:
+    if sampled is None or sampled.whole_epoch or lead_s is None or step_s is None:
         return replace(plan, calibrated=True)
     configurations = plan.planned
     stop = steps.choose_stop(
@@ -204,15 +208,15 @@ def _sampled(
     total = count.total if count else None
     warmup = steps.warmup_for(total if total is not None else trace.count, depth)
     min_timed = max(steps.MIN_TIMED_STEPS, depth)
-    if total is not None and total < warmup + min_timed + 1:
-        return None
     if not obs.stopped_early:
         plain = obs.wall_s / PROBE_SLOWDOWN
         if not steps.worth_sampling(plain, configurations, budget_s):
             return None
+    per_epoch = steps.batches_per_epoch(trace)
+    if total is not None and total < warmup + min_timed + 1:
+        return _epoch_sampled(per_epoch, total)
     step_s = trace.mean_step_s() or obs.wall_s
     lead_s = (trace.first_s or step_s) + (warmup - 1) * step_s
-    per_epoch = steps.batches_per_epoch(trace)
     settle = max(steps.MIN_TIMED_STEPS, depth)
     if steps.has_epochs(per_epoch, total):  # room for an epoch restart in the timed steps
         min_timed = steps.MIN_TIMED_STEPS + settle
@@ -220,6 +224,20 @@ def _sampled(
         per_epoch = None
     stop = steps.choose_stop(budget_s, configurations, lead_s, step_s, warmup, total, min_timed)
     return Sampled(warmup, stop, min_timed, per_epoch, settle)
+
+
+def _epoch_sampled(per_epoch: int | None, total: int | None) -> Sampled | None:
+    """A cell of several short epochs whose steps leave no room for a warm-up and timed
+    steps after it (a worker loader's prefetch depth can be an epoch's length: its burst
+    at an epoch's start would be all the timed steps see): each run is the first epoch,
+    timed whole from its first batch, so the iterator's start, workers starting and the
+    burst are in every configuration's time as they are in each epoch of the cell. A
+    worker loader kept across epochs (`persistent_workers`) starts once a cell, so this
+    counts its start against the fix once per epoch: a bias against the fix, never for
+    it. None where the cell is one epoch (nothing to cut)."""
+    if per_epoch is None or total is None or not steps.has_epochs(per_epoch, total):
+        return None
+    return Sampled(0, per_epoch, per_epoch, None, per_epoch, whole_epoch=True)
 
 
 def _prefetch_depth(trace: StepTrace | None, fixable: list[Detection]) -> int:

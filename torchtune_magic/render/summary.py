@@ -426,8 +426,12 @@ def sampling_line(report: Report) -> str:
         )
     return (
         f"sampled: every measuring run stopped after {unit} {last}{of}{detail}, "
-        f"{plural(unit)} {first}–{last} timed after {sampled.warmup_steps} warm-up"
-        f"{restart}; times are per {unit}, the whole cell projected"
+        + (
+            f"{plural(unit)} {first}–{last} timed after {sampled.warmup_steps} warm-up"
+            if sampled.warmup_steps
+            else "the first epoch timed whole"
+        )
+        + f"{restart}; times are per {unit}, the whole cell projected"
     )
 
 
