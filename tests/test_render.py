@@ -54,6 +54,18 @@ def test_a_speedup_inside_the_noise_band_is_no_measurable_change():
     assert "1.01x — no clear change" in out
 
 
+def test_an_unsettled_speedup_says_what_would_tell_never_no_clear_change():
+    """3.67x in three rounds with the budget spent: no verdict either way yet."""
+    data = json.loads(json.dumps(SAMPLE))
+    variant = data["variants"][0]
+    variant.update(speedup=3.67, speedup_low=None, speedup_high=None, rounds=3)
+    variant.update(verdict="no clear change", budget_to_tell_s=45.0)
+    out = text.render(Report.from_dict(data))
+    assert "3.67x (3 rounds: too few for an interval) — not enough time to tell;" in out
+    assert "3.67x (3 rounds: too few for an interval) — no clear change" not in out
+    assert "no clear change; not enough time" not in html.render(Report.from_dict(data))
+
+
 def _report(edit=None) -> Report:
     data = json.loads(json.dumps(SAMPLE))
     if edit:

@@ -151,7 +151,8 @@ export function speedup(report: IReport, variant: IVariant | undefined): IWorded
     return { text: `${base}${spread} — ${SLOWER}${tail}`, tone: 'bad' };
   }
   if (!isWin(variant)) {
-    return { text: `${base}${spread} — ${NO_CLEAR_CHANGE}${tail}`, tone: 'neutral' };
+    // unsettled: no verdict yet, only what would give one
+    return { text: `${base}${spread} — ${short || NO_CLEAR_CHANGE}`, tone: 'neutral' };
   }
   return { text: `${formatFactor(factor)} faster${perStep(report)}${spread}`, tone: 'good' };
 }

@@ -140,12 +140,12 @@ def speedup(report: Report, variant: Variant | None) -> str:
         text += interval(variant)
         if variant.is_slower:
             text += f" — {SLOWER}"
-        elif not variant.is_win:
-            text += f" — {NO_CLEAR_CHANGE}"
+        elif not variant.is_win:  # unsettled: no verdict yet, only what would give one
+            text += f" — {not_enough_time(variant) or NO_CLEAR_CHANGE}"
     if variant.noisy:
         text += " (noisy)"
     extras = [
-        not_enough_time(variant) if not report.measuring else "",
+        not_enough_time(variant) if not report.measuring and variant.is_slower else "",
         projected(report, variant),
         one_time_cost(variant),
         measured_before(report, variant),
