@@ -37,7 +37,7 @@ def test_profiler_in_the_cell_is_found_and_the_fix_keeps_the_cell_running():
     ns = namespace_with()
     report = perfcheck(PROFILED, ns, budget=2, checks="debug-profiler")
     (finding,) = report.findings
-    assert "torch.profiler.profile started 1 time(s)" in finding.evidence
+    assert "torch.profiler.profile started 1 time during" in finding.evidence
     assert finding.where == "cell line 1"
     assert "-with torch.profiler.profile() as prof:" in finding.code_change.diff
     variant = report.variant_for(["debug-profiler"])
@@ -153,7 +153,7 @@ def test_gradcheck_in_the_loop_is_found_with_its_share_of_time():
     ns = namespace_with()
     report = perfcheck(GRADCHECKED, ns, budget=4, checks="debug-gradcheck")
     (finding,) = report.findings
-    assert finding.evidence.startswith("gradcheck ran 3 time(s)")
+    assert finding.evidence.startswith("gradcheck ran 3 times,")
     assert finding.evidence.endswith("%)")  # its share of the cell's time
     assert finding.where == "cell line 7"
     variant = report.variant_for(["debug-gradcheck"])

@@ -66,6 +66,21 @@ def test_an_unsettled_speedup_says_what_would_tell_never_no_clear_change():
     assert "no clear change; not enough time" not in html.render(Report.from_dict(data))
 
 
+def test_not_applicable_checks_with_one_reason_share_a_line():
+    data = json.loads(json.dumps(SAMPLE))
+    cuda = "not applicable on CPU: this only matters for work on a CUDA device"
+    alone = "not a distributed run (torch.distributed is not initialised)"
+    data["not_applicable"] = [
+        {"id": "pin-memory", "reason": cuda},
+        {"id": "ddp-no-sync", "reason": alone},
+        {"id": "tf32", "reason": cuda},
+        {"id": "rank-imbalance", "reason": alone},
+    ]
+    out = text.render(Report.from_dict(data))
+    assert f"not applicable here (4):\n   [pin-memory, tf32] {cuda}\n" in out
+    assert f"   [ddp-no-sync, rank-imbalance] {alone}" in out
+
+
 def _report(edit=None) -> Report:
     data = json.loads(json.dumps(SAMPLE))
     if edit:

@@ -72,6 +72,11 @@ def load_schema() -> dict[str, Any]:
     return json.loads(text)
 
 
+def count(n: int, noun: str, nouns: str | None = None) -> str:
+    """`1 run`, `2 runs`: a count in words, for every view and every check's evidence."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
 @dataclass
 class CellChange:
     """One notebook cell to edit, found by its execution count (None: the %%perfcheck

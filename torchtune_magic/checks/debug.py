@@ -19,7 +19,7 @@ import torch
 from ..engine import codeedit
 from ..engine.fixes import Fix, FixError, Patcher, patched
 from ..engine.memory import _native_stderr_silenced
-from ..report import CodeChange
+from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -421,7 +421,7 @@ class ProfilerCheck(Check):
         kinds = sorted({entry.kind for entry in entries})
         found = _user_profilers(obs.workload.namespace) if obs.profiler_at_start else []
         if entries:
-            evidence = f"{', '.join(kinds)} started {len(entries)} time(s) during the cell"
+            evidence = f"{', '.join(kinds)} started {count(len(entries), 'time')} during the cell"
         elif found:
             name, profiler = found[0]
             kind = (
@@ -526,7 +526,7 @@ class GradcheckCheck(Check):
             Detection(
                 self.finding(
                     evidence=(
-                        f"{'/'.join(names)} ran {len(calls)} time(s), {spent:.3f} s of the "
+                        f"{'/'.join(names)} ran {count(len(calls), 'time')}, {spent:.3f} s of the "
                         f"cell's {obs.wall_s:.3f} s ({share:.0%})"
                     ),
                     where=f"cell {_lines_text(lines)}" if lines else "code called from this cell",

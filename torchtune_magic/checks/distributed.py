@@ -139,7 +139,8 @@ class DdpNoSyncCheck(DistributedCheck):
         else:
             where_synced = sorted({i + 1 for step in steps for i, s in enumerate(step) if s})
             evidence = (
-                f"`{name}` all-reduced {per_step:g} time(s) per optimizer step of "
+                f"`{name}` all-reduced {per_step:g} {'time' if per_step == 1 else 'times'} "
+                "per optimizer step of "
                 f"{accumulate} micro-batches, on micro-batch(es) {where_synced} of each, not "
                 "on the last: the gradients of the micro-batches after the sync stay each "
                 "rank's own, so the ranks step with different gradients and drift apart"

@@ -20,7 +20,7 @@ import torch
 
 from ..engine import codeedit, discovery, frameworks, lockstep
 from ..engine.fixes import Fix, Patcher
-from ..report import CodeChange
+from ..report import CodeChange, count
 from .base import Check, Detection
 from .userfuncs import function_locations
 
@@ -307,7 +307,7 @@ class FusePointwiseCheck(Check):
         longest = max(found, key=lambda c: len(c.ops))
         names = ", ".join(_base_name(op.name) for op in longest.ops[:8])
         evidence = (
-            f"{len(found)} chain(s) of ≥{MIN_RUN} consecutive elementwise ops took "
+            f"{count(len(found), 'chain')} of ≥{MIN_RUN} consecutive elementwise ops took "
             f"{busy / 1e3:.1f} ms of {obs.profiled_text(lambda s: f'{s * 1e3:.1f} ms')} "
             f"({share:.0%}); "
             f"longest: {len(longest.ops)} ops ({names}{', …' if len(longest.ops) > 8 else ''})"

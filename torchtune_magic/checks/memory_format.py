@@ -19,7 +19,7 @@ import torch
 from ..engine import lockstep
 from ..engine.fixes import Fix, Patcher
 from ..engine.workload import synchronize
-from ..report import CodeChange
+from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -280,7 +280,7 @@ class ChannelsLastCheck(Check):
         shape = obs.modules[id(model)].input_shape
         slower = [t for t in timings if t.ratio > REGRESSION]
         evidence = (
-            f"{name} ran {calls} time(s) on NCHW-contiguous 4-D input "
+            f"{name} ran {count(calls, 'time')} on NCHW-contiguous 4-D input "
             f"{list(shape) if shape else ''} through {len(convs)} Conv2d"
         )
         evidence += f"; {share.text}"

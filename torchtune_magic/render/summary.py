@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from ..report import Finding, OwnFailure, Report, Stats, Variant
+from ..report import Finding, NotApplicable, OwnFailure, Report, Stats, Variant, count
 
 SLOWER = "measured slower here — not recommended"
 NO_CLEAR_CHANGE = "no clear change"
@@ -18,11 +18,6 @@ BUSY_CPUS = 0.25  # other processes' busy CPUs worth a line in the report
 
 def solo_variant(report: Report, finding: Finding) -> Variant | None:
     return report.variant_for([finding.id])
-
-
-def count(n: int, noun: str, nouns: str | None = None) -> str:
-    """`1 run`, `2 runs`."""
-    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
 def no_gain(report: Report, finding: Finding) -> bool:
@@ -151,6 +146,16 @@ def speedup(report: Report, variant: Variant | None) -> str:
         measured_before(report, variant),
     ]
     return "; ".join([text, *(extra for extra in extras if extra)])
+
+
+def by_reason(items: list[NotApplicable]) -> list[tuple[list[str], str]]:
+    """The not-applicable checks, those with the same reason on one line (a CPU report's
+    seven CUDA-only checks and five distributed ones read as two lines, not twelve), in
+    the order their reasons first came."""
+    grouped: dict[str, list[str]] = {}
+    for item in items:
+        grouped.setdefault(item.reason, []).append(item.id)
+    return [(ids, reason) for reason, ids in grouped.items()]
 
 
 def too_small(at_most: float) -> str:

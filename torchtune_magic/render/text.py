@@ -85,7 +85,10 @@ def render(report: Report) -> str:
     if report.not_applicable:
         lines.append("")
         lines.append(f"not applicable here ({len(report.not_applicable)}):")
-        lines.extend(f"   [{item.id}] {item.reason}" for item in report.not_applicable)
+        lines.extend(
+            f"   [{', '.join(ids)}] {reason}"
+            for ids, reason in summary.by_reason(report.not_applicable)
+        )
     if report.failures:
         lines.append("")
         lines.append(f"{summary.OWN_FAILURES}:")
