@@ -81,6 +81,16 @@ def test_not_applicable_checks_with_one_reason_share_a_line():
     assert f"   [ddp-no-sync, rank-imbalance] {alone}" in out
 
 
+def test_a_measuring_window_of_a_few_ticks_says_nothing_of_the_load():
+    data = json.loads(json.dumps(SAMPLE))
+    data["load"] = {"window_s": 0.04, "other_cpu_s": 0.08, "cpus": 2}
+    assert "other processes kept" not in text.render(Report.from_dict(data))
+    data["load"] = {"window_s": 12.0, "other_cpu_s": 12.0, "cpus": 2}
+    assert "other processes kept 1.00 of this kernel's 2 CPUs busy" in text.render(
+        Report.from_dict(data)
+    )
+
+
 def _report(edit=None) -> Report:
     data = json.loads(json.dumps(SAMPLE))
     if edit:

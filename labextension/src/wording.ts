@@ -21,6 +21,8 @@ export const NO_CLEAR_CHANGE = 'no clear change';
 export const PROVISIONAL = 'so far (provisional)';
 /** Other processes' busy CPUs worth a line in the report (summary.BUSY_CPUS). */
 const BUSY_CPUS = 0.25;
+/** ... over a measuring window at least this long (summary.LOAD_WINDOW_MIN_S). */
+const LOAD_WINDOW_MIN_S = 0.5;
 export const FITS = 'fits with this fix: it ran past where the cell ran out of memory';
 export const OWN_FAILURES = "perfcheck's own failures (your cell ran as it would without perfcheck)";
 
@@ -176,7 +178,7 @@ export function editsScope(report: IReport): string {
 /** Other processes' share of the kernel's CPUs while it measured (summary.load_line), or "". */
 export function load(report: IReport): string {
   const l = report.load;
-  if (!l || l.window_s <= 0) {
+  if (!l || l.window_s < LOAD_WINDOW_MIN_S) {
     return '';
   }
   const busy = l.other_cpu_s / l.window_s;

@@ -14,6 +14,9 @@ MEASURING = "measuring…"
 NO_GAIN = "checked: no gain here"
 MEMORY_SAME = 0.01  # peak memory moved by less than this share reads "same memory"
 BUSY_CPUS = 0.25  # other processes' busy CPUs worth a line in the report
+# ... over a measuring window at least this long (a window of a few ticks, where nothing
+# was timed, reads "2.00 of 2 CPUs busy (0.0 CPU-s in 0.0 s)")
+LOAD_WINDOW_MIN_S = 0.5
 
 
 def solo_variant(report: Report, finding: Finding) -> Variant | None:
@@ -377,7 +380,7 @@ def load_line(report: Report) -> str:
     """`other processes kept 0.97 of this kernel's 2 CPUs busy while it measured`, or ''
     when they were (nearly) idle."""
     load = report.load
-    if load is None or load.busy_cpus < BUSY_CPUS:
+    if load is None or load.window_s < LOAD_WINDOW_MIN_S or load.busy_cpus < BUSY_CPUS:
         return ""
     return (
         f"other processes kept {load.busy_cpus:.2f} of this kernel's {load.cpus} CPUs busy "
