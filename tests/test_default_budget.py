@@ -113,10 +113,11 @@ def test_the_default_budget_settles_the_wins_of_a_cnn_training_cell():
 
 
 def test_beside_a_cpu_bound_process_the_loaders_fix_is_timed_and_never_overclaimed():
-    """Under load every run takes about twice as long, so the budget holds three or four
-    rounds; a verdict at 99.9 % needs the fix's run to beat the baseline's in more rounds
-    than that on a busy machine (`engine/verdict.py`), so the row says what budget would
-    tell instead of a verdict it cannot back."""
+    """Under load every run takes two or more times as long, so the budget holds one to
+    four rounds (one, in a fresh clone's full run); a verdict at 99.9 % needs the fix's
+    run to beat the baseline's in more rounds than that on a busy machine
+    (`engine/verdict.py`), so the row says what budget would tell instead of a verdict it
+    cannot back."""
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         report, waited, plain = _checked()
@@ -124,7 +125,7 @@ def test_beside_a_cpu_bound_process_the_loaders_fix_is_timed_and_never_overclaim
         spinner.kill()
         spinner.wait()
     variant = report.variant_for(["dataloader-workers"])
-    assert variant is not None and variant.rounds is not None and variant.rounds >= 2, variant
+    assert variant is not None and variant.rounds is not None and variant.rounds >= 1, variant
     assert variant.speedup is not None and variant.speedup > 1.5, variant
     assert variant.verdict == "faster" or variant.budget_to_tell_s, variant
     assert waited <= plain + DEFAULT_BUDGET_S + PROMISE_SLACK_S, (waited, plain)

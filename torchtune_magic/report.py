@@ -377,6 +377,9 @@ class Report:
     load: MachineLoad | None = None  # other processes' CPU time while measuring
     distributed: Distributed | None = None  # measured under torchrun, over these ranks
     failures: list[OwnFailure] = field(default_factory=list)  # perfcheck's own, contained
+    # where the baseline's first measuring run spent its time, seconds by part (data_wait,
+    # forward, backward, optimizer, other: `engine/time_split.py`)
+    time_split: dict[str, float] | None = None
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -413,7 +416,15 @@ class Report:
             for key in LOSS_FIELDS:
                 if numerics[key] is None:
                     del numerics[key]  # optional: reports without them read as before
-        optional = ("sampling", "cell_run", "oom", "notebook_edits", "recommended", "load")
+        optional = (
+            "sampling",
+            "cell_run",
+            "oom",
+            "notebook_edits",
+            "recommended",
+            "load",
+            "time_split",
+        )
         for key in (*optional, "distributed"):
             if data[key] is None:
                 del data[key]
@@ -479,6 +490,7 @@ class Report:
             load=MachineLoad(**data["load"]) if data.get("load") else None,
             distributed=_distributed(data.get("distributed")),
             failures=[OwnFailure(**f) for f in data.get("failures", [])],
+            time_split=data.get("time_split"),
         )
 
     def __repr__(self) -> str:

@@ -711,6 +711,7 @@ class Session:
             load=runs.load if runs is not None else None,
             distributed=self._distributed(runs),
             failures=list(self.failures.seen),
+            time_split=runs.time_split if runs is not None else None,
         )
 
     def _observed(self) -> probe.Observation:

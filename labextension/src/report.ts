@@ -214,6 +214,8 @@ export interface IReport {
   load?: ILoad | null;
   distributed?: IDistributed | null;
   failures?: IOwnFailure[];
+  /** Seconds by part of the baseline's first measuring run (engine/time_split.py). */
+  time_split?: Record<string, number> | null;
 }
 
 function isObject(value: unknown): value is Record<string, unknown> {

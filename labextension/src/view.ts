@@ -139,8 +139,34 @@ function renderHeader(report: IReport, live?: ILive): HTMLElement {
     h('h3', { text: '%%perfcheck report' }),
     ...status.map(line => h('div', { className: `ttm-status ttm-phase-${report.phase ?? 'done'}`, text: line })),
     live && renderProgress(live.state),
+    renderTimeSplit(report),
     list,
     flopsBreakdown(report)
+  );
+}
+
+/** Where the time went, first: a stacked bar (each part's width its share) and its line. */
+function renderTimeSplit(report: IReport): HTMLElement | null {
+  const shares = words.splitShares(report);
+  if (shares.length === 0) {
+    return null;
+  }
+  const bar = h(
+    'div',
+    { className: 'ttm-time-split-bar', attrs: { role: 'img', 'aria-label': words.splitLine(report) } },
+    ...shares.map(([key, name, share]) =>
+      h('span', {
+        className: `ttm-split-part ttm-split-${key}`,
+        title: `${name} ${Math.round(share * 100)}%`,
+        attrs: { style: `width: ${(share * 100).toFixed(2)}%` }
+      })
+    )
+  );
+  return h(
+    'div',
+    { className: 'ttm-time-split' },
+    bar,
+    h('div', { className: 'ttm-time-split-line', text: words.splitLine(report) })
   );
 }
 

@@ -458,3 +458,37 @@ function fitOutcome(report: IReport): string {
   }
   return tried.length > 0 ? '; with each memory fix tried it ran out of memory again' : '';
 }
+
+/** The parts of a run's time split, in order, as a user reads them (summary.SPLIT_PARTS). */
+export const SPLIT_PARTS: [string, string][] = [
+  ['data_wait', 'data wait'],
+  ['forward', 'forward'],
+  ['backward', 'backward'],
+  ['optimizer', 'optimizer'],
+  ['other', 'other']
+];
+
+/** [key, name, share] of each part with at least half a percent (summary.split_shares). */
+export function splitShares(report: IReport): [string, string, number][] {
+  const split = report.time_split;
+  if (!split) {
+    return [];
+  }
+  const total = Object.values(split).reduce((sum, value) => sum + value, 0);
+  if (!(total > 0)) {
+    return [];
+  }
+  return SPLIT_PARTS.map(
+    ([key, name]): [string, string, number] => [key, name, (split[key] ?? 0) / total]
+  ).filter(([, , share]) => share >= 0.005);
+}
+
+/** `where the time went (…): data wait 63% · forward 14% · …` (summary.split_line). */
+export function splitLine(report: IReport): string {
+  const shares = splitShares(report);
+  if (shares.length === 0) {
+    return '';
+  }
+  const parts = shares.map(([, name, share]) => `${name} ${Math.round(share * 100)}%`);
+  return `where the time went (the baseline's first run): ${parts.join(' · ')}`;
+}

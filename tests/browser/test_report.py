@@ -416,3 +416,36 @@ def test_an_out_of_memory_report_says_which_memory_fix_makes_it_fit(
         "failed: still out of memory with this fix: OutOfMemoryError: CUDA out of memory."
     )
     lab.screenshot("out-of-memory", of=lab.cell(0))
+
+
+SPLIT_EDIT = (
+    'report["time_split"] = {"data_wait": 0.63, "forward": 0.14, "backward": 0.15, '
+    '"optimizer": 0.03, "other": 0.05}\n'
+)
+
+
+def test_the_report_opens_with_where_the_time_went(lab: Lab, jupyter_lab: JupyterLab) -> None:
+    """The time split first, above the summary: one stacked bar, a part a segment as wide
+    as its share, and the same line the text report opens with."""
+    notebook = jupyter_lab.write_notebook(
+        "split.ipynb", [display_report("split-1", edit=SPLIT_EDIT)]
+    )
+    lab.open_notebook(notebook)
+    report = lab.run_cell(0, SAVED_REPORT)
+    split = report.locator(".ttm-time-split")
+    expect(split.locator(".ttm-time-split-line")).to_have_text(
+        "where the time went (the baseline's first run): data wait 63% · forward 14% · "
+        "backward 15% · optimizer 3% · other 5%"
+    )
+    parts = split.locator(".ttm-split-part")
+    expect(parts).to_have_count(5)
+    expect(parts.first).to_have_attribute("title", "data wait 63%")
+    widths = parts.evaluate_all("ps => ps.map(p => p.getBoundingClientRect().width)")
+    assert widths[0] > 3 * widths[1] and widths[0] > 10 * widths[3], widths
+    # first: above the summary and the findings
+    above = report.evaluate(
+        "r => r.querySelector('.ttm-time-split').compareDocumentPosition("
+        "r.querySelector('.ttm-summary')) & Node.DOCUMENT_POSITION_FOLLOWING"
+    )
+    assert above
+    lab.screenshot("time-split", of=report)

@@ -20,6 +20,7 @@ from ..engine import (
     probe,
     state,
     steps,
+    time_split,
     timing,
 )
 from ..engine.workload import Workload, silenced
@@ -51,6 +52,8 @@ class RunTime:
     # this rank's own time (per step when sampled); the others are the slowest rank's
     # under torchrun (`engine/lockstep.py`), this process's alone otherwise
     own_s: float | None = None
+    # an observed run's seconds in each part (`engine/time_split.py`)
+    split: dict[str, float] | None = None
 
 
 @contextmanager
@@ -101,12 +104,12 @@ class Runner:
         """Run the cell once from the start state with the config's fixes applied; with
         `stop`, the run ends after that step (counted as `sample` says, when sampled;
         `observe` sees the state there, and the loss of each backward call the run made:
-        only an observed run records it, at ~2 µs a step). `watched` (peak memory, FLOPs)
-        opens once the start state is back, so what the previous run left and the restore
-        frees is not counted against this run. A run to a step that is still going when the
-        measurement's deadline has passed stops at the next step boundary and raises
-        timing.OutOfTime (a fix that makes the cell far slower than foreseen cannot
-        overrun the budget by more than a step).
+        only an observed run records it, at ~2 µs a step, and where its time went).
+        `watched` (peak memory, FLOPs) opens once the start state is back, so what the
+        previous run left and the restore frees is not counted against this run. A run to a
+        step that is still going when the measurement's deadline has passed stops at the
+        next step boundary and raises timing.OutOfTime (a fix that makes the cell far
+        slower than foreseen cannot overrun the budget by more than a step).
 
         A measuring run of a cell whose cost depends on the stack (anomaly detection on)
         executes the cell under the stack a plain run of it has (`plain_stack`)."""
@@ -144,9 +147,9 @@ class Runner:
         ):
             started, faults = time.perf_counter(), allocator.minor_faults()
             in_cell = fixes.combined_context(config.fixes, namespace, in_cell=True)
-            recorder = losses.Recorder()
+            recorder, split = losses.Recorder(), time_split.SplitRecorder()
             if observe is not None:
-                in_cell = losses.recorded(in_cell, recorder)
+                in_cell = time_split.recorded(losses.recorded(in_cell, recorder), split)
             loop_keys = counter.source.loop_keys if counter else frozenset()
             try:
                 seconds = self.workload.run(
@@ -159,8 +162,10 @@ class Runner:
                 raise timing.OutOfTime(f"{config.label}: stopped at step {times.count}")
             if observe is not None:
                 observe(recorder.curve())
+        parts = split.split() if observe is not None else None
         if times is None or plan is None:
-            return RunTime(lockstep.slowest(seconds), watched=seen, faults=faults, own_s=seconds)
+            total = lockstep.slowest(seconds)
+            return RunTime(total, watched=seen, faults=faults, own_s=seconds, split=parts)
         per_epoch = plan.per_epoch if timed_run else None
         step_s = times.per_step(plan.warmup, per_epoch)
         if not times.stopped and times.lead_s is not None and times.count > plan.warmup:
@@ -175,7 +180,7 @@ class Runner:
         total_s, lead_s, agreed_step_s, agreed_restart_s = agreed
         assert total_s is not None
         own_s = step_s if step_s is not None else seconds
-        return RunTime(total_s, lead_s, agreed_step_s, seen, faults, agreed_restart_s, own_s)
+        return RunTime(total_s, lead_s, agreed_step_s, seen, faults, agreed_restart_s, own_s, parts)
 
     def _measuring_stack(self, config: Config) -> plain_stack.PlainStack | None:
         """The stack a measuring run executes the cell under: the plain cell's where the

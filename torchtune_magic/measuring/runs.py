@@ -127,6 +127,8 @@ class Runs:
         self.load: MachineLoad | None = None  # other processes' CPU time, last measurement
         # under torchrun, each rank's own baseline time in the last measurement
         self.rank_times: list[RankTime] | None = None
+        # where the baseline's first run of the last measurement spent its time, by part
+        self.time_split: dict[str, float] | None = None
 
     @functools.cached_property
     def source(self) -> steps.StepSource | None:
@@ -180,6 +182,7 @@ class Runs:
     ) -> tuple[list[Variant], Variant]:
         measuring = Measuring(configs, self._watched_outputs())
         self.profiled_steps, self.profiled_whole_sample = None, self._cutting(configs) > 0
+        self.time_split = None
         self._first_runs(measuring, deadline)
         runnable = measuring.runnable
         reserve = self._profiled_reserve(
@@ -324,6 +327,8 @@ class Runs:
         run = self.one_run(config, observe, self._stop())
         if label == BASELINE:
             measuring.baseline_runs.append(run)
+            if run.split is not None:  # the observed run: where its time went
+                self.time_split = run.split
         if label not in measuring.firsts:
             measuring.firsts[label] = run
         else:

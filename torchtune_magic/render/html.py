@@ -225,6 +225,27 @@ def _code_changes(report: Report) -> str:
     return f"<details open><summary><b>Code changes</b></summary>{''.join(blocks)}</details>"
 
 
+# one colour per part of the time split, in SPLIT_PARTS' order (the view's, too)
+_SPLIT_COLOURS = ("#d9822b", "#4c78a8", "#72b7b2", "#b279a2", "#9d9d9d")
+
+
+def _split_bar(report: Report) -> str:
+    """The time split as one stacked bar, each part's width its share, named on hover."""
+    shares = summary.split_shares(report)
+    if not shares:
+        return ""
+    colours = dict(zip((name for _, name in summary.SPLIT_PARTS), _SPLIT_COLOURS, strict=True))
+    segments = "".join(
+        f'<span title="{_e(name)} {share:.0%}" style="display:inline-block;height:12px;'
+        f'width:{share * 100:.2f}%;background:{colours[name]}"></span>'
+        for name, share in shares
+    )
+    return (
+        '<div class="ttm-time-split" style="display:flex;max-width:660px;margin:4px 0">'
+        f"{segments}</div>"
+    )
+
+
 def render(report: Report) -> str:
     act = [f for f in report.findings if not summary.no_gain(report, f)]
     no_gain = [f for f in report.findings if summary.no_gain(report, f)]
@@ -249,9 +270,10 @@ def render(report: Report) -> str:
         for v in report.latest_variants()
         if len(v.fixes) > 1
     )
-    context = "".join(
+    context = _split_bar(report) + "".join(
         f"<div>{_e(line)}</div>"
         for line in (
+            summary.split_line(report),
             summary.oom_line(report),
             summary.phase_line(report),
             summary.sampling_line(report),

@@ -376,6 +376,38 @@ def distributed_line(report: Report) -> str:
     )
 
 
+# the parts of a run's time split (`engine/time_split.py`), in order, as a user reads them
+SPLIT_PARTS = (
+    ("data_wait", "data wait"),
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("optimizer", "optimizer"),
+    ("other", "other"),
+)
+
+
+def split_shares(report: Report) -> list[tuple[str, float]]:
+    """(part, share of the run) for each part of the time split with a share of at least
+    half a percent, in order; [] without a split."""
+    split = report.time_split
+    if not split:
+        return []
+    total = sum(split.values())
+    if total <= 0:
+        return []
+    shares = [(name, split.get(key, 0.0) / total) for key, name in SPLIT_PARTS]
+    return [(name, share) for name, share in shares if share >= 0.005]
+
+
+def split_line(report: Report) -> str:
+    """`where the time went: data wait 63% · forward 14% · backward 15% · other 8%`."""
+    shares = split_shares(report)
+    if not shares:
+        return ""
+    parts = " · ".join(f"{name} {share:.0%}" for name, share in shares)
+    return f"where the time went (the baseline's first run): {parts}"
+
+
 def load_line(report: Report) -> str:
     """`other processes kept 0.97 of this kernel's 2 CPUs busy while it measured`, or ''
     when they were (nearly) idle."""

@@ -48,6 +48,7 @@ def render(report: Report) -> str:
     lines += [
         line
         for line in (
+            summary.split_line(report),
             summary.oom_line(report),
             summary.phase_line(report),
             summary.sampling_line(report),
