@@ -39,3 +39,15 @@ def test_the_two_commands_and_the_binder_badge() -> None:
     assert "scripts/demo.sh" in README and "scripts/test.sh" in README
     assert "labpath=notebooks/01_quickstart.ipynb" in README
     assert (REPO / "docs" / "panel.png").is_file() and "(docs/panel.png)" in README
+
+
+def test_limitations_fit_a_glance_and_link_the_internals() -> None:
+    """A user scanning "will this work on my notebook?" reads the limits in one screen; the
+    measurement internals behind them live in docs/ and the README links that page."""
+    section = README.split("## Limitations\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.strip()]
+    assert len(lines) <= 15, f"{len(lines)} lines"
+    links = re.findall(r"\]\((docs/[\w./-]+\.md)\)", section)
+    assert links and all((REPO / link).is_file() for link in links)
+    internals = (REPO / "docs" / "limitations.md").read_text()
+    assert "greenlet" in internals and "greenlet" not in section
