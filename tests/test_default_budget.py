@@ -117,6 +117,14 @@ def test_the_default_budget_settles_the_wins_of_a_cnn_training_cell():
     assert anomaly is not None and anomaly.rounds is not None
     assert anomaly.rounds > workers.rounds, (anomaly, workers)
     assert waited <= plain + DEFAULT_BUDGET_S + PROMISE_SLACK_S, (waited, plain)
+    _budget_kept(report)
+
+
+def _budget_kept(report: Report) -> None:
+    """"Measured in" never past the budget: a run stops before a step that would end
+    past the deadline (what is left after it, the report's own assembly, is milliseconds)."""
+    assert report.budget_s == DEFAULT_BUDGET_S
+    assert report.elapsed_s is not None and report.elapsed_s <= report.budget_s + 0.25, report
 
 
 def test_beside_a_cpu_bound_process_the_loaders_fix_is_timed_and_never_overclaimed():
@@ -143,6 +151,7 @@ def _timed_and_never_overclaimed(report: Report, waited: float, plain: float) ->
     assert variant.verdict == "faster" or variant.budget_to_tell_s, variant
     assert variant.verdict != "slower", variant
     assert waited <= plain + DEFAULT_BUDGET_S + PROMISE_SLACK_S, (waited, plain)
+    _budget_kept(report)
 
 
 @pytest.fixture(autouse=True)

@@ -124,7 +124,10 @@ class StepTimes:
     turn_count: int | None = None
     turn_s: float | None = None
     turns: int = 0
-    gave_up: bool = False  # stopped at a step boundary past `give_up_at`, short of the stop
+    gave_up: bool = False  # stopped at a step boundary before `give_up_at`, short of the stop
+    # perf_counter time of the last step boundary (the run's start before the first): the
+    # step just done foretells whether the next one ends before the deadline
+    boundary_at: float | None = None
 
     @property
     def stopped(self) -> bool:
@@ -165,8 +168,10 @@ class StepTimes:
 class StepCounter:
     """Counts one source's steps during a run: notes the time at the boundary after step
     `warmup`, raises StepLimitReached at the boundary after step `stop` (None: never), or
-    at the first boundary after `give_up_at` (the budget's deadline: `gave_up`), and calls
-    `on_step(count)` after each step (progress of the cell's complete run).
+    at the first boundary where another step as long as the one just done would end past
+    `give_up_at` (the budget's deadline: `gave_up`; the wait promised is kept, not overrun
+    by a step), and calls `on_step(count)` after each step (progress of the cell's complete
+    run).
 
     With `epoch_end` (batch unit), the loader's epoch running at that step ends after it:
     the iterator's sampler is cut there, so the loader ends the epoch as it ends any epoch
@@ -237,8 +242,10 @@ class StepCounter:
             synchronize()
             times.stop_s = time.perf_counter() - times.started
             raise StepLimitReached
-        if self.give_up_at is not None and lockstep.any_rank(time.perf_counter() > self.give_up_at):
-            times.gave_up = True  # the budget's deadline passed: this run is not finished
+        now = time.perf_counter()
+        last, times.boundary_at = times.boundary_at or times.started, now
+        if self.give_up_at is not None and lockstep.any_rank(now + (now - last) > self.give_up_at):
+            times.gave_up = True  # the next step would end past the deadline: not finished
             raise StepLimitReached
 
     def _stepped(self) -> None:

@@ -41,7 +41,6 @@ PROFILED_SHARE = 0.25  # profiled runs are reserved for only when they cost at m
 # a peak for good, where one more timed round adds little
 MEMORY_PROFILED_SHARE = 0.5
 BASELINE_ONLY_ROUNDS = 3  # timed runs of a cell with no fix to measure
-GIVE_UP_AFTER_DEADLINE_S = 1.0  # a run to a step still going this long past the deadline stops
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,6 @@ class MeasuringPlan:
     memory_profiled_most_s: float  # ... with fixes meant to cut memory (MEMORY_PROFILED_SHARE)
     combined_share: float = COMBINED_SHARE_OF_ROUNDS
     baseline_only_rounds: int = BASELINE_ONLY_ROUNDS
-    give_up_after_s: float = GIVE_UP_AFTER_DEADLINE_S
     # fixes left untimed because their evidence cannot pass the no-change band: (id, bound)
     too_small: tuple[tuple[str, float], ...] = ()
 
@@ -94,8 +92,9 @@ class MeasuringPlan:
 
     @property
     def give_up_at(self) -> float:
-        """A run to a step still going at this perf_counter time stops."""
-        return self.deadline_start + self.deadline_s + self.give_up_after_s
+        """The deadline as a perf_counter time: a run whose next step would end past it
+        stops at the step boundary before (`steps.StepCounter`)."""
+        return self.deadline_start + self.deadline_s
 
 
 def make(

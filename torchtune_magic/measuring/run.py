@@ -107,9 +107,9 @@ class Runner:
         only an observed run records it, at ~2 µs a step, and where its time went).
         `watched` (peak memory, FLOPs) opens once the start state is back, so what the
         previous run left and the restore frees is not counted against this run. A run to a
-        step that is still going when the measurement's deadline has passed stops at the
-        next step boundary and raises timing.OutOfTime (a fix that makes the cell far
-        slower than foreseen cannot overrun the budget by more than a step).
+        step stops at the step boundary where one more step as long as the last would end
+        past the measurement's deadline, and raises timing.OutOfTime (a fix that makes the
+        cell far slower than foreseen does not overrun the budget).
 
         A measuring run of a cell whose cost depends on the stack (anomaly detection on)
         executes the cell under the stack a plain run of it has (`plain_stack`)."""
