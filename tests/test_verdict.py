@@ -87,3 +87,13 @@ def test_the_chance_of_a_complete_separation():
 def test_a_fix_within_the_band_on_a_quiet_machine_settles_no_clear_change_early():
     speedup = Speedup.of([1.01, 0.99, 1.02, 1.0, 0.98], [1.01, 0.99, 1.0, 1.02, 0.99])
     assert speedup.by == "quiet" and speedup.settled and speedup.verdict == "no clear change"
+
+
+def test_the_intervals_rank_moves_up_only_at_its_looks():
+    """Between two looks the rank is held (a wider interval than the rounds alone allow),
+    so a sequence read after every round risks a false verdict only once per look."""
+    assert verdict.looks()[:5] == [11, 13, 15, 17, 20]
+    assert verdict.rank_for(19) == 3 and verdict.interval_rank(19) == verdict.rank_for(17) == 2
+    ratios = [0.9, 0.95, *[1.3] * 17]  # two rounds below 1: the third smallest is above
+    assert Speedup.of(ratios).verdict == NO_CHANGE  # 19 rounds: held at rank 2
+    assert Speedup.of([*ratios, 1.3]).verdict == FAST  # 20, a look: rank 3

@@ -10,6 +10,7 @@ Statistics of one configuration's times come from `torch.utils.benchmark.Measure
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -125,6 +126,10 @@ class Rounds:
     # that runs a share of the cell's steps (a DistributedSampler: 1/N of each epoch) does
     # that share of the work, so its per-step ratio over-counts the cell's time by 1/share
     whole_cell: dict[str, float] = field(default_factory=dict)
+    # what each round's places are drawn from: drawn anew for every measurement (a fixed
+    # draw would give every measurement one pattern of places, and a cell whose first run
+    # in a round is slower the same signs every time), rank 0's under torchrun
+    seed: int | None = None
 
     def times(self, label: str) -> list[float]:
         found = [r[label] for r in self.rounds if label in r]
@@ -176,13 +181,16 @@ def paired_rounds(
     every fix's speedup is settled (`verdict.Speedup.settled`) or the next round would end
     past the deadline; with no fix, `min_rounds` rounds of the baseline (a cell with
     nothing to compare waits no longer than its figures need). A fix whose speedup
-    settled drops out of later rounds, so the budget goes to those still undecided; the
-    baseline runs in every round. `begun` holds rounds already taken (a sampled
+    settled drops out of later rounds, so the budget goes to those still undecided, and
+    one clear of the noise runs alone until it settles (`_focus`); the baseline runs in
+    every round. `begun` holds rounds already taken (a sampled
     measurement's first runs) and the runs' wall times so far. No round starts that its
     predicted length (each configuration's median wall time so far, the baseline's for one
     not yet seen) does not leave room for."""
     wanted = min_rounds if min_rounds is not None else verdict.min_rounds()
     result = begun if begun is not None else Rounds(baseline)
+    if result.seed is None:
+        result.seed = lockstep.from_first(random.SystemRandom().getrandbits(32))
     variants = [label for label in runners if label != baseline]
     started = time.perf_counter()
     at_most: int | None = None
@@ -190,9 +198,10 @@ def paired_rounds(
         active = [label for label in variants if not _settled(result.speedup(label))]
         if not active and (variants or index >= wanted):  # no fix: `wanted` rounds
             break
+        active = _focus(result, active)
         # while a fix is undecided the baseline runs twice a round; every run takes a place
-        # drawn at random (the same draw on every rank), so no fix keeps a place that
-        # something periodic on the machine favours over the baseline's
+        # drawn at random (the same draw on every rank: `Rounds.seed`), so no fix keeps a
+        # place that something periodic on the machine favours over the baseline's
         base_wall = _typical(result.walls.get(baseline, []))
         predicted = sum(_typical(result.walls.get(label, [])) or base_wall for label in active)
         predicted += base_wall
@@ -204,7 +213,7 @@ def paired_rounds(
         again = [AGAIN] if active and quiet and deadline.allows(predicted + base_wall) else []
         predicted += base_wall if again else 0.0
         order = [baseline, *active, *again]
-        random.Random(index).shuffle(order)
+        random.Random(result.seed + index).shuffle(order)
         this_round: dict[str, float] = {}
         result.rounds.append(this_round)
         # the rounds a progress line promises at most: the cheapest round there could be
@@ -243,6 +252,27 @@ def paired_rounds(
 
 # the baseline's run that closes a round (a label of no configuration)
 AGAIN = "\x00baseline again"
+# a fix whose every ratio so far is at least this far from 1, and farther than every A/A
+# ratio, is clear of the noise: its rounds time it alone until it settles
+CLEAR_EFFECT = 1.5
+
+
+def _focus(result: Rounds, active: list[str]) -> list[str]:
+    """The undecided fixes the next round times: the one farthest clear of the noise, alone,
+    where one is (a 3x loader fix settles in three rounds of the baseline and itself, not
+    of every fix: the budget buys the answer that is nearly in first); else all of them,
+    sharing the round's baseline runs. Choosing which fix runs from the ratios so far
+    leaves each round's own pairing, in places drawn at random, as it was."""
+    widest = max((abs(math.log(a)) for a in result.noise() if a > 0), default=0.0)
+    clear: dict[str, float] = {}
+    for label in active:
+        logs = [math.log(r) for r in result.ratios(label) if r > 0]
+        if not logs or not (all(x > 0 for x in logs) or all(x < 0 for x in logs)):
+            continue
+        nearest = min(abs(x) for x in logs)
+        if nearest >= math.log(CLEAR_EFFECT) and nearest > widest:
+            clear[label] = nearest
+    return [max(clear, key=lambda label: clear[label])] if clear else active
 
 
 def _settled(speedup: Speedup | None) -> bool:

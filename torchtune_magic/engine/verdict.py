@@ -64,6 +64,15 @@ from ..report import NO_CHANGE_BAND
 # rounds at least give an interval.
 CONFIDENCE = 0.999
 SETTLED_BAND = 0.05  # an interval within 1 ± this is a settled "no clear change"
+# The interval is re-read after every round, each reading a chance for noise to cross 1.
+# Its rank moves up only at a few looks and is held in between: with the rank k held,
+# "fewer than k of the first n ratios below 1" only gets less likely as n grows, so the
+# rounds between two looks add no chance of a false verdict beyond the first of them, and
+# the whole sequence's is at most the sum over the looks (13 x 0.05 % a side), not over
+# every round (50). Looks: the first round with an interval, then 1.15x apart (a stall
+# in one round of fifteen still costs the interval only one rank).
+LOOK_STEP = 1.15
+MAX_LOOK_ROUNDS = 60
 # the separation test (above): one-sided chance per look that a fix changing nothing is
 # called
 SEPARATED_ALPHA = 0.0005
@@ -92,6 +101,23 @@ def rank_for(n: int, confidence: float = CONFIDENCE) -> int | None:
     while k + 1 <= n // 2 and _binomial_cdf(k, n) <= alpha:
         k += 1
     return k if k >= 1 else None
+
+
+def looks(confidence: float = CONFIDENCE) -> list[int]:
+    """The rounds at which the interval's rank may move up: the first that gives one, then
+    each LOOK_STEP times as many, up to MAX_LOOK_ROUNDS."""
+    at = [min_rounds(confidence)]
+    while (following := max(at[-1] + 1, round(at[-1] * LOOK_STEP))) <= MAX_LOOK_ROUNDS:
+        at.append(following)
+    return at
+
+
+def interval_rank(n: int, confidence: float = CONFIDENCE) -> int | None:
+    """The rank of n ratios' interval: that of the last look at or before n (see LOOKS).
+    Held between looks, the interval is wider than n alone would allow, never narrower,
+    and a verdict between two looks costs no more chance than the first of them."""
+    held = [look for look in looks(confidence) if look <= n]
+    return rank_for(held[-1], confidence) if held else None
 
 
 def min_rounds(confidence: float = CONFIDENCE) -> int:
@@ -157,7 +183,7 @@ class Speedup:
             low, high = ordered[0] / noise_factor, ordered[-1] * noise_factor
             return cls(median, low, high, n, "separation", noise_factor)
         logs = [math.log(r) for r in ordered]
-        rank = rank_for(n, confidence)
+        rank = interval_rank(n, confidence)
         if rank is not None:
             return cls(median, ordered[rank - 1], ordered[n - rank], n, "rounds", noise_factor)
         band = math.log(1.0 + SETTLED_BAND)
