@@ -97,3 +97,37 @@ def test_the_intervals_rank_moves_up_only_at_its_looks():
     ratios = [0.9, 0.95, *[1.3] * 17]  # two rounds below 1: the third smallest is above
     assert Speedup.of(ratios).verdict == NO_CHANGE  # 19 rounds: held at rank 2
     assert Speedup.of([*ratios, 1.3]).verdict == FAST  # 20, a look: rank 3
+
+
+def test_the_rank_test_calls_a_small_steady_effect_that_the_noise_across_rounds_hides():
+    """Anomaly mode's few percent: the fix is the fastest of its round's three runs every
+    time, but the two baseline runs of a round differ by more than that, so its ratios do
+    not clear every A/A ratio. Exchangeable runs would put it first with chance 1/3 a
+    round: seven rounds in a row is under 0.05 %; with one round other than first, ten."""
+    assert verdict.rank_looks() == [(7, 0), (10, 1)]
+    assert verdict.rank_chance(7, 0) <= verdict.SEPARATED_ALPHA < verdict.rank_chance(6, 0)
+    rounds = [(1.0 + 0.06 * (i % 2), 0.975, 1.0 + 0.06 * ((i + 1) % 2)) for i in range(10)]
+
+    def of(taken: list[tuple[float, float, float]]) -> Speedup:
+        ratios = [b1 / f for b1, f, _ in taken]
+        noise = [b1 / b2 for b1, _, b2 in taken]
+        return Speedup.of(ratios, noise, both=[(b1 / f, b2 / f) for b1, f, b2 in taken])
+
+    assert of(rounds[:6]).verdict == NO_CHANGE and of(rounds[:6]).one_end
+    called = of(rounds[:7])
+    assert called.verdict == FAST and called.by == "ranks" and called.low > 1.0
+    # a round where a baseline run came in under the fix: one miss, called at ten rounds
+    rounds[2] = (1.0, 1.01, 1.06)
+    assert of(rounds[:9]).verdict == NO_CHANGE
+    assert of(rounds).verdict == FAST and of(rounds).low > 1.0
+
+
+def test_a_steady_small_effect_is_not_settled_as_no_change_on_a_quiet_machine():
+    """Every ratio within 5 % of 1 on a quiet machine settles "no clear change" after five
+    rounds, unless the fix was at one end of every round: then the rank test gets its
+    seven."""
+    ratios, noise = [1.03, 1.05, 1.035, 1.045, 1.03], [1.01, 0.96, 1.0, 1.04, 0.99]
+    both = [(r, r / a) for r, a in zip(ratios, noise, strict=True)]
+    steady = Speedup.of(ratios, noise, both=both)
+    assert not steady.settled and steady.one_end and steady.rounds_to_settle() == 7
+    assert Speedup.of(ratios, noise).settled  # no baseline run twice: the quiet rule

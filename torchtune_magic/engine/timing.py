@@ -158,9 +158,20 @@ class Rounds:
             if label in times and self.baseline in times and times[label] > 0
         ]
 
+    def both(self, label: str) -> list[tuple[float, float]]:
+        """For each round that ran this configuration and the baseline twice: both
+        baseline runs over this configuration's (scaled as `ratios` are), the rank test's
+        evidence (`verdict._ranked`)."""
+        scale = self.whole_cell.get(label, 1.0)
+        return [
+            (times[self.baseline] / times[label] * scale, self.again[i] / times[label] * scale)
+            for i, times in enumerate(self.rounds)
+            if i in self.again and label in times and self.baseline in times and times[label] > 0
+        ]
+
     def speedup(self, label: str) -> Speedup | None:
         ratios = self.ratios(label)
-        return Speedup.of(ratios, self.noise()) if ratios else None
+        return Speedup.of(ratios, self.noise(), both=self.both(label)) if ratios else None
 
     @property
     def labels(self) -> list[str]:
@@ -207,10 +218,8 @@ def paired_rounds(
         predicted += base_wall
         if not deadline.allows(predicted):
             break
-        # ... where the deadline leaves room for it and the machine is quiet enough for the
-        # separation test to use it (`verdict.quiet`): a round without is still a pairing
-        quiet = verdict.quiet(result.noise())
-        again = [AGAIN] if active and quiet and deadline.allows(predicted + base_wall) else []
+        # ... where the deadline leaves room for it (a round without is still a pairing)
+        again = [AGAIN] if active and deadline.allows(predicted + base_wall) else []
         predicted += base_wall if again else 0.0
         order = [baseline, *active, *again]
         random.Random(result.seed + index).shuffle(order)

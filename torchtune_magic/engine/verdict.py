@@ -40,6 +40,17 @@ widens the A/A ratio it is in, so one rarely makes a fix look faster. On a quiet
 a 3x fix is called in 3 rounds and a 1.3x one in 3 to 5; beside a CPU-bound process the
 order-statistic interval decides, as before.
 
+A third test needs no model of the noise at all, so it holds beside a CPU-bound process
+too: the rank test (`_ranked`). Were the fix no change, a round's three runs would be
+exchangeable, and the fix the fastest of them with chance 1/3, independently from round to
+round. A fix the fastest (or the slowest) of its round in all of 7 rounds, or all but one
+of 10, is called: 3^-7 and 21 / 3^10, both under SEPARATED_ALPHA. It compares runs only
+within a round, so a fix whose effect is small but larger than one run's jitter (anomaly
+mode's 4 % on a quiet machine) is called in 7 rounds where the separation test, which
+compares ratios across rounds, waits for the interval; and a stall in one round costs it one
+miss, not the whole test. So the baseline runs twice in every round while a fix is
+undecided, on a busy machine too.
+
 Measured coverage (`benchmarks/verdicts.py`: recorded A/A rounds replayed from every
 starting round, up to 40 looks, 1,560 starting points per load; the results are in
 `benchmarks/results/verdicts-*.json`): quiet, 1.0 % false verdicts, as many as the 99.8 %
@@ -81,6 +92,9 @@ MARGIN = 3.0
 # process runs stall by 10-100x, more often than a few rounds can show (replayed busy
 # rounds: it doubled the false verdicts of the interval alone); the interval decides there
 QUIET_NOISE = 1.25
+# The rank test (`_ranked`): most rounds with the fix the fastest (or slowest) of their
+# three runs, up to this many rounds other than that
+RANK_MISSES = 1
 # a fix whose every ratio stays within the settled band, on a machine whose A/A ratios do
 # too, is settled "no clear change" after this many rounds (before any interval)
 QUIET_SETTLE_ROUNDS = 5
@@ -128,16 +142,28 @@ def min_rounds(confidence: float = CONFIDENCE) -> int:
     return n
 
 
-def quiet(noise: list[float]) -> bool:
-    """Whether the A/A ratios seen so far leave the separation test in play (none reaches
-    QUIET_NOISE); a machine not yet seen counts as quiet."""
-    spread = [abs(math.log(a)) for a in noise if a > 0 and math.isfinite(a)]
-    return _quiet_spread(max(spread, default=0.0))
-
-
 def _quiet_spread(widest: float) -> bool:
     """The one rule for a quiet machine: no A/A log-ratio reaches log(QUIET_NOISE)."""
     return widest < math.log(QUIET_NOISE)
+
+
+def rank_chance(n: int, misses: int) -> float:
+    """The chance that a fix changing nothing is the fastest of its round's three runs in
+    all but `misses` of n rounds (each run's place drawn at random: 1/3 a round)."""
+    return sum(math.comb(n, j) * 2**j for j in range(misses + 1)) / 3**n
+
+
+def rank_looks() -> list[tuple[int, int]]:
+    """(rounds, misses allowed) where the rank test's allowance moves up: the fewest rounds
+    at which each number of misses up to RANK_MISSES is within SEPARATED_ALPHA (7 rounds
+    with none, 10 with one). Held in between, as the interval's rank is (see LOOKS)."""
+    looks = []
+    for misses in range(RANK_MISSES + 1):
+        n = misses + 1
+        while rank_chance(n, misses) > SEPARATED_ALPHA:
+            n += 1
+        looks.append((n, misses))
+    return looks
 
 
 def separation_chance(n: int, m: int) -> float:
@@ -165,12 +191,21 @@ class Speedup:
     rounds: int
     by: str = "rounds"
     noise: float | None = None  # the farthest A/A ratio from 1 (as a factor >= 1)
+    # every round with the baseline twice had the fix at one end of its three runs (the
+    # fastest in each, or the slowest in each): the rank test will call it in a few more
+    one_end: bool = False
 
     @classmethod
     def of(
-        cls, ratios: list[float], noise: list[float] | None = None, confidence: float = CONFIDENCE
+        cls,
+        ratios: list[float],
+        noise: list[float] | None = None,
+        confidence: float = CONFIDENCE,
+        both: list[tuple[float, float]] | None = None,
     ) -> Speedup:
-        """From the rounds' ratios and the A/A ratios measured beside them (`noise`)."""
+        """From the rounds' ratios, the A/A ratios measured beside them (`noise`), and for
+        each round that ran the baseline twice, both baseline runs over the fix's (`both`:
+        the rank test)."""
         ordered = sorted(r for r in ratios if r > 0 and math.isfinite(r))
         n = len(ordered)
         if n == 0:
@@ -182,15 +217,24 @@ class Speedup:
         if widest is not None and _separated(ordered, widest, len(spread)):
             low, high = ordered[0] / noise_factor, ordered[-1] * noise_factor
             return cls(median, low, high, n, "separation", noise_factor)
+        pairs = [(a, b) for a, b in both or [] if a > 0 and b > 0]
+        one_end = bool(pairs) and (_misses(pairs, 1.0) == 0 or _misses(pairs, -1.0) == 0)
+        ranked = _ranked(pairs)
+        if ranked is not None:  # the (misses + 1)-th ratio from each end: past 1 on one side
+            first = sorted(a for a, _ in pairs)
+            low, high = first[ranked], first[len(first) - 1 - ranked]
+            return cls(median, low, high, n, "ranks", noise_factor, one_end)
         logs = [math.log(r) for r in ordered]
         rank = interval_rank(n, confidence)
         if rank is not None:
-            return cls(median, ordered[rank - 1], ordered[n - rank], n, "rounds", noise_factor)
+            low, high = ordered[rank - 1], ordered[n - rank]
+            return cls(median, low, high, n, "rounds", noise_factor, one_end)
         band = math.log(1.0 + SETTLED_BAND)
         far = max(abs(value) for value in logs)
-        if widest is not None and n >= QUIET_SETTLE_ROUNDS and max(far, widest) <= band:
+        quiet = widest is not None and n >= QUIET_SETTLE_ROUNDS and max(far, widest) <= band
+        if quiet and not one_end:  # one end in every round: the rank test may call it
             return cls(median, ordered[0], ordered[-1], n, "quiet", noise_factor)
-        return cls(median, None, None, n, "rounds", noise_factor)
+        return cls(median, None, None, n, "rounds", noise_factor, one_end)
 
     @property
     def has_interval(self) -> bool:
@@ -224,6 +268,8 @@ class Speedup:
         if self.settled:
             return None
         n = max(self.rounds, 1)
+        if not self.has_interval and self.one_end:  # the rank test's first look
+            return max(n + 1, rank_looks()[0][0])
         if not self.has_interval and self.noise is not None:
             distance = abs(math.log(self.median))
             if distance > MARGIN * math.log(self.noise):  # clear of the noise: a few more
@@ -270,6 +316,33 @@ def _separated(ordered: list[float], widest: float, m: int) -> bool:
     if not _quiet_spread(widest):  # stalls show in a busy machine's A/A ratios
         return False
     return chance <= SEPARATED_ALPHA or (nearest >= MARGIN * widest and chance <= MARGIN_ALPHA)
+
+
+def _misses(pairs: list[tuple[float, float]], side: float) -> int:
+    """Rounds in which the fix was not the fastest of the three runs (side 1) or not the
+    slowest (side -1): both baseline runs over the fix's past 1 on that side, or not."""
+    return sum(1 for a, b in pairs if not (side * math.log(a) > 0 and side * math.log(b) > 0))
+
+
+def _ranked(pairs: list[tuple[float, float]]) -> int | None:
+    """The misses allowed where the rank test calls the fix (faster or slower), else None.
+
+    Were the fix no change, a round's three runs (the baseline twice, the fix once, in
+    places drawn at random) would be exchangeable: the fix the fastest of them with chance
+    1/3, round after round, whatever the machine did (a stall lands on any of the three
+    alike). So it needs no model of the noise, holds beside a CPU-bound process, and calls
+    a fix whose effect is small but larger than a run's jitter (anomaly mode's 4 % on a
+    quiet machine) where the separation test, which compares ratios across rounds, waits
+    for the interval. The allowance is held between looks (`rank_looks`): with it held,
+    "at most k misses in the first n rounds" only gets less likely as n grows."""
+    n = len(pairs)
+    allowed = [misses for at, misses in rank_looks() if at <= n]
+    if not allowed:
+        return None
+    misses = allowed[-1]
+    if _misses(pairs, 1.0) <= misses or _misses(pairs, -1.0) <= misses:
+        return misses
+    return None
 
 
 def _rounds_to_separate(n: int) -> int:
