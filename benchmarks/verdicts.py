@@ -15,8 +15,9 @@ measuring, and ends it after):
 2. **Rounds and seconds to a verdict** for cells with known effects, checked through
    `perfcheck` at the default budget, `--checks` times each: a slow loader (workers, about
    3x), a loader waiting about a quarter of the run (workers, about 1.3x), bf16 autocast on
-   a small CNN (about 2x on a CPU with native bf16), and anomaly mode on a small MLP. Reported: each check's verdict, its rounds, and the
-   seconds from the first measuring report to the last.
+   a small CNN (about 2x on a CPU with native bf16), and anomaly mode on a small MLP.
+   Reported: each check's verdict, its rounds, and the seconds from the first measuring
+   report to the last.
 
 Writes JSON (default benchmarks/results/verdicts[-busy].json) and prints markdown tables.
 """

@@ -83,7 +83,7 @@ def test_nested_sequential_in_eval_keeps_outputs():
     report = _measured(EVAL, ns)
     finding = report.finding("conv-bias-bn")
     assert finding.fixable and finding.where == "model.0.0, model.1.0"
-    assert "model.0.0 (Conv2d, 8 channels) fed model.0.1 on all 1 calls" in finding.evidence
+    assert "model.0.0 (Conv2d, 8 channels) fed model.0.1 on all 1 calls" in finding.details
     assert finding.code_change.elsewhere == [
         "model.0.0: nn.Conv2d(3, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), bias=False)",
         "model.1.0: nn.Conv2d(8, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), bias=False)",
@@ -97,7 +97,7 @@ def test_custom_forward_found_by_tensor_identity_not_order():
     ns = namespace(CUSTOM)
     finding = _finding("out = model(x)\n", ns)
     assert finding.where == "model.conv"
-    assert "fed model.norm" in finding.evidence
+    assert "fed model.norm" in finding.details
 
 
 def test_factory_blocks_with_conv3d():
@@ -156,7 +156,7 @@ def test_model_built_in_the_cell_is_not_fixed_live():
     ns = namespace("x = torch.randn(2, 3, 8, 8)\n")
     cell = "model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))\nout = model(x)\n"
     finding = _finding(cell, ns)
-    assert not finding.fixable and "the cell builds model.0 itself" in finding.evidence
+    assert not finding.fixable and "the cell builds model.0 itself" in finding.details
 
 
 def test_apply_undo_round_trip_is_exact():

@@ -80,10 +80,14 @@ def test_bf16_autocast_on_an_mlp_training_cell_is_measured_with_its_numerics():
     ns = namespace_with(MLP_SETUP)
     session = detected(MLP_TRAIN, ns, checks="amp", budget=6)
     [found] = session.detections
-    evidence = found.finding.evidence
-    assert "Linear ×18 ran in float32 with autocast off" in evidence
-    assert f"this CPU runs bf16 in hardware ({', '.join(BF16)} in its flags)" in evidence
-    assert "of the cell's time" in evidence
+    evidence, details = found.finding.evidence, found.finding.details
+    assert re.fullmatch(
+        r"float32 matmuls and convolutions took \d+% of the cell's time, with autocast off",
+        evidence,
+    )
+    assert details.startswith("Linear ×18 ran in float32")
+    assert f"this CPU runs bf16 in hardware ({', '.join(BF16)} in its flags)" in details
+    assert found.finding.segment == "forward"
     assert found.fix.compute_dtype == torch.bfloat16 and not found.fix.scaled  # no GradScaler
     # the forward and the loss only: backward and the step stay outside the block
     assert found.finding.code_change.diff.endswith(
@@ -111,7 +115,7 @@ def test_bf16_autocast_on_a_cnn_inference_cell_is_measured(thread_count):
     ns = namespace_with(CNN_SETUP)
     report = perfcheck(CNN_INFERENCE, ns, checks="amp", budget=6)
     [finding] = report.findings
-    assert finding.id == "amp" and "Conv2d ×6" in finding.evidence
+    assert finding.id == "amp" and "Conv2d ×6" in finding.details
     variant = report.variant_for(["amp"])
     assert variant.error is None and variant.speedup > 1.2
     assert variant.numerics.verdict == "close"
@@ -206,7 +210,7 @@ def test_a_forgotten_set_num_threads_1_is_flagged_and_measured_then_put_back(thr
     assert finding.id == "cpu-threads" and finding.fixable
     assert "torch runs 1 intra-op thread" in finding.evidence
     assert f"this process may use {CORES} (" in finding.evidence
-    assert "quick trial on mlp forward on a (256, 512) input (no_grad)" in finding.evidence
+    assert "quick trial on mlp forward on a (256, 512) input (no_grad)" in finding.details
     assert "+torch.set_num_threads(" in finding.code_change.diff
     variant = report.variant_for(["cpu-threads"])
     assert variant.error is None and variant.speedup is not None
@@ -231,16 +235,14 @@ def test_another_busy_process_beside_a_training_cell_asks_for_fewer_threads(ip, 
         report = ip.run_cell(LOADED_CELL).result
     [finding] = report.findings
     assert finding.id == "cpu-threads" and finding.fixable
-    evidence = finding.evidence
-    assert f"torch runs {CORES} intra-op threads" in evidence
-    assert "other processes kept " in evidence and "during the probe's run" in evidence
-    assert "of other processes' work on" in evidence
-    busy = float(evidence.split("other processes kept ")[1].split(" of")[0])
+    assert f"torch runs {CORES} intra-op threads" in finding.evidence
+    details = finding.details
+    assert "other processes kept " in details and "during the probe's run" in details
+    assert "of other processes' work on" in details
+    busy = float(details.split("other processes kept ")[1].split(" of")[0])
     # one core is taken per 0.75 CPU other processes keep busy
     assert busy >= 0.75
-    assert (
-        "quick trial on mlp forward" in evidence and "during the trial other processes" in evidence
-    )
+    assert "quick trial on mlp forward" in details and "during the trial other processes" in details
     assert "when that work stops, the old count is faster again, so re-check then" in finding.caveat
     [chosen] = re.findall(r"^\+torch\.set_num_threads\((\d+)\)$", finding.code_change.diff, re.M)
     assert int(chosen) < CORES
@@ -259,7 +261,7 @@ def test_threads_matching_the_cores_stay_silent_unless_other_processes_took_one(
     assert obs.load is not None and obs.load.window_s > 0
     if obs.load.window_s >= LOAD_MIN_WINDOW_S and obs.load.busy_cpus >= OTHER_CORE_SHARE:
         [found] = session.detections  # the machine was busy: fired, for that reason
-        assert obs.load.describe() in found.finding.evidence
+        assert obs.load.describe() in found.finding.details
     else:
         assert session.detections == []
     obs.load = load.Load(1.0, 0.4 * OTHER_CORE_SHARE, CORES)  # a quiet second
@@ -268,7 +270,7 @@ def test_threads_matching_the_cores_stay_silent_unless_other_processes_took_one(
     assert check.detect(obs) == []
     obs.load = load.Load(1.0, 0.98, CORES)  # someone else's process on one core
     [found] = check.detect(obs)
-    assert f"other processes kept 0.98 of this kernel's {CORES} CPUs busy" in found.finding.evidence
+    assert f"other processes kept 0.98 of this kernel's {CORES} CPUs busy" in found.finding.details
     assert found.fix.threads < CORES
 
 
@@ -315,7 +317,7 @@ def test_busy_loader_workers_next_to_all_threads_ask_for_fewer_threads():
     cell = "for xb, _ in loader:\n    out = mlp(xb)\n"
     session = detected(cell, ns, checks="cpu-threads", budget=1)
     [found] = session.detections
-    assert f"{CORES} DataLoader workers were busy loading" in found.finding.evidence
+    assert f"{CORES} DataLoader workers were busy loading" in found.finding.details
     assert found.fix.threads == 1
 
 
@@ -453,12 +455,12 @@ def test_set_to_none_churn_shows_its_page_faults_and_mallopt_fix_is_undone_to_de
         result["first_try"] = first
     [finding] = result["findings"]
     assert finding["id"] == "cpu-allocator" and finding["fixable"]
-    evidence = finding["evidence"]
-    assert "plain run of the cell took" in evidence and "µs per fault measured here" in evidence
-    assert "the instrumented probe saw" in evidence
-    share = int(re.search(r"ms \((\d+)%\) at", evidence).group(1))
+    share = int(re.match(r"minor page faults cost ≈ (\d+)% of a plain run", finding["evidence"])[1])
     assert share >= FAULT_SHARE * 100
-    assert "M_MMAP_THRESHOLD to 32 MiB and M_TRIM_THRESHOLD to 128 MiB" in evidence
+    details = finding["details"]
+    assert "plain run of the cell took" in details and "µs per fault measured here" in details
+    assert "the instrumented probe saw" in details
+    assert "M_MMAP_THRESHOLD to 32 MiB and M_TRIM_THRESHOLD to 128 MiB" in details
     defaults = "its documented defaults (M_MMAP_THRESHOLD 128 KiB, M_TRIM_THRESHOLD 128 KiB)"
     assert defaults in finding["caveat"]
     elsewhere = " ".join(finding["code_change"]["elsewhere"])

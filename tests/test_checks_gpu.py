@@ -182,7 +182,8 @@ def test_cudnn_benchmark_fix_is_reversible_and_detection_wants_fixed_shapes():
     )
     fixed = _observed("for _ in range(3):\n    y = net(torch.randn(2, 3, 8, 8))\n", ns)
     [found] = registry.get("cudnn-benchmark").detect(fixed)
-    assert "one input shape; input shapes such as (2, 3, 8, 8)" in found.finding.evidence
+    assert "each with one input shape" in found.finding.evidence
+    assert "input shapes such as (2, 3, 8, 8)" in found.finding.details
     varying = _observed("for s in (8, 9, 10):\n    y = net(torch.randn(2, 3, s, s))\n", ns)
     assert registry.get("cudnn-benchmark").detect(varying) == []
 
@@ -191,9 +192,11 @@ def test_host_sync_counts_reads_per_step_from_the_cells_own_code():
     ns = namespace_with(ADAM_SETUP)
     obs = _observed(TRAIN + "final = loss.item()\nif loss > 0:\n    print(loss)\n", ns)
     [found] = registry.get("host-sync").detect(obs)
-    evidence = found.finding.evidence
-    assert "4 host reads of cpu tensors in one run, 1.0 per step over 4 steps" in evidence
-    assert ".item() ×4 at line 8" in evidence  # the reads after the loop run once: not flagged
+    assert "4 host reads of cpu tensors in one run, 1.0 per step over 4 steps" in (
+        found.finding.evidence
+    )
+    # the reads after the loop run once: not flagged
+    assert ".item() ×4 at line 8" in found.finding.details
     assert found.fix is None and not found.finding.fixable
     assert registry.get("host-sync").not_applicable(obs).startswith("not applicable on CPU")
 

@@ -67,10 +67,13 @@ def test_global_loader_from_earlier_cell_is_flagged_and_measured_faster():
     report = perfcheck(TRAIN, ns, checks="dataloader-workers", budget=4)
     finding = report.finding("dataloader-workers")
     assert finding is not None and finding.fixable
-    assert re.search(
-        r"batches waited \d+\.\d\d s of \d+\.\d\d s \(\d+%\) over 8 batches", finding.evidence
+    # one sentence with the key number; the figures behind it in the details
+    assert re.fullmatch(
+        r"batches waited \d+% of the run \(\d+\.\d\d s of \d+\.\d\d s\)", finding.evidence
     )
-    assert "quick trial" in finding.evidence
+    assert finding.details.startswith("over 8 batches, loaded in the main process")
+    assert "quick trial" in finding.details
+    assert finding.segment == "data_wait"
     assert finding.where == "loader, iterated at cell line 2"
     assert re.search(
         r"loader: build it with DataLoader\(\.\.\., num_workers=\d, "
@@ -191,14 +194,14 @@ CORES = cpu.available_cores().count
 TRIAL = re.compile(r"(\d+) workers? (\d+\.\d) ms/batch")
 
 
-def _trials(evidence: str) -> dict[int, float]:
-    """Worker count -> ms per batch, as the evidence lists the quick trial."""
-    return {int(k): float(ms) for k, ms in TRIAL.findall(evidence)}
+def _trials(details: str) -> dict[int, float]:
+    """Worker count -> ms per batch, as the finding's details list the quick trial."""
+    return {int(k): float(ms) for k, ms in TRIAL.findall(details)}
 
 
-def _in_process_ms(evidence: str) -> float:
-    found = re.search(r"loaded in the main process \((\d+\.\d) ms per batch", evidence)
-    assert found, evidence
+def _in_process_ms(details: str) -> float:
+    found = re.search(r"loaded in the main process \((\d+\.\d) ms per batch", details)
+    assert found, details
     return float(found.group(1))
 
 
@@ -207,12 +210,12 @@ def test_cpu_bound_loading_never_tries_more_workers_than_the_cores_it_may_use():
     overlap), no count above the cores this process may use is tried, chosen or shown."""
     ns = namespace(MODEL + "loader = DataLoader(BusyDataset(64), batch_size=8)")
     (detection,) = detected(TRAIN, ns).detections
-    evidence = detection.finding.evidence
-    trials = _trials(evidence)
-    assert trials and max(trials) <= CORES, evidence
-    assert f"workers tried up to the {CORES} cores this process may use" in evidence
-    assert "waits on I/O" not in evidence
-    chosen = re.search(r"; (\d+) chosen", evidence)
+    details = detection.finding.details
+    trials = _trials(details)
+    assert trials and max(trials) <= CORES, details
+    assert f"workers tried up to the {CORES} cores this process may use" in details
+    assert "waits on I/O" not in details
+    chosen = re.search(r"; (\d+) chosen", details)
     assert chosen and int(chosen.group(1)) <= CORES
     assert detection.fix.overrides["num_workers"] <= CORES
     shown = re.search(r"num_workers=(\d+)", detection.finding.code_change.elsewhere[0])
@@ -222,20 +225,20 @@ def test_cpu_bound_loading_never_tries_more_workers_than_the_cores_it_may_use():
 def test_io_bound_loading_tries_more_workers_than_cores_and_says_why():
     """Items that wait (a sleep standing for storage) keep the main process idle: workers
     overlap the waits beyond the core count, so twice the cores is tried too, and the
-    evidence says why, with the measured share."""
+    details say why, with the measured share."""
     ns = namespace(MODEL + "loader = DataLoader(SlowDataset(64, delay_s=0.002), batch_size=8)")
     (detection,) = detected(TRAIN, ns).detections
-    evidence = detection.finding.evidence
+    details = detection.finding.details
     above = min(2 * CORES, MAX_WORKERS, 8)
     if above <= CORES:
         pytest.skip("this machine has as many cores as there are batches to load")
-    assert above in _trials(evidence), evidence
+    assert above in _trials(details), details
     busy = re.search(
         rf"and {above} because the loading waits on I/O: it kept the main process busy "
         r"(\d+)% of the time",
-        evidence,
+        details,
     )
-    assert busy and int(busy.group(1)) < 100 * IO_BOUND_CPU_SHARE, evidence
+    assert busy and int(busy.group(1)) < 100 * IO_BOUND_CPU_SHARE, details
 
 
 def test_each_trial_figure_is_measured_on_its_own_epoch():
@@ -249,11 +252,11 @@ def test_each_trial_figure_is_measured_on_its_own_epoch():
         "    if i == 3:\n        break\n"
     )
     (detection,) = detected(cell, ns).detections
-    evidence = detection.finding.evidence
-    assert "over 4 batches" in evidence
-    main, trials = _in_process_ms(evidence), _trials(evidence)
-    assert 0.75 * main < trials[1] < 1.3 * main, evidence
-    assert trials[2] < 0.7 * main, evidence
+    details = detection.finding.details
+    assert "over 4 batches" in details
+    main, trials = _in_process_ms(details), _trials(details)
+    assert 0.75 * main < trials[1] < 1.3 * main, details
+    assert trials[2] < 0.7 * main, details
 
 
 @pytest.fixture
@@ -284,8 +287,8 @@ loader = DataLoader(NotebookSet(), batch_size=8)
     )
     (detection,) = detected(TRAIN, ns).detections
     assert not detection.finding.fixable and detection.fix is None
-    assert "workers start with 'spawn'" in detection.finding.evidence
-    assert "NotebookSet" in detection.finding.evidence
+    assert "workers start with 'spawn'" in detection.finding.details
+    assert "NotebookSet" in detection.finding.details
 
 
 def test_worker_processes_end_with_the_session():

@@ -7,6 +7,7 @@ import re
 import textwrap
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 from workloads import detected, namespace_with
@@ -14,6 +15,7 @@ from workloads import detected, namespace_with
 import torchtune_magic
 from torchtune_magic.checks.memory_format import conv_timings
 from torchtune_magic.render import summary, text
+from torchtune_magic.report import Report, load_schema
 
 CNN = """
 import torch
@@ -62,10 +64,14 @@ def test_fires_on_a_user_cnn_fed_nchw_and_measures_it():
     report = torchtune_magic.perfcheck(INFER, ns, checks="channels-last", budget=3)
     found = report.finding("channels-last")
     assert found is not None and found.where == "net"
-    assert "[8, 3, 32, 32]" in found.evidence and "2 Conv2d" in found.evidence
-    share = re.search(r"convolutions took .* \((\d+)%, profiler self time", found.evidence)
-    assert share is not None and int(share.group(1)) >= 10  # its convs are what it does
-    assert "per-conv forward timing" in found.evidence
+    lead = re.fullmatch(
+        r"net's convolutions took (\d+)% of the cell's time, on NCHW-contiguous input",
+        found.evidence,
+    )
+    assert lead is not None and int(lead.group(1)) >= 10  # its convs are what it does
+    assert "[8, 3, 32, 32]" in found.details and "2 Conv2d" in found.details
+    assert "profiler self time" in found.details and "per-conv forward timing" in found.details
+    assert found.segment == "forward" and report.checked == []
     variant = report.variant_for(["channels-last"])
     assert variant.error is None and variant.speedup is not None
     assert variant.numerics.verdict in ("identical", "close")
@@ -166,7 +172,8 @@ def test_a_vit_whose_only_conv_is_the_patch_embedding_is_not_flagged(cell: str):
 def test_a_cnn_under_a_profiler_of_its_own_is_still_flagged_from_its_flops():
     session = detected(UNDER_OWN_PROFILER, namespace())  # the probe cannot profile here
     (found,) = [d.finding for d in session.detections if d.finding.id == "channels-last"]
-    assert "of its conv and linear FLOPs" in found.evidence
+    assert found.evidence.startswith("net's convolutions are ")
+    assert found.evidence.endswith("% of its conv and linear FLOPs, on NCHW-contiguous input")
 
 
 def test_per_conv_timing_names_each_conv():
@@ -220,3 +227,41 @@ def test_fixes_compose_in_any_order():
             session.apply(check_id)
         session.revert_all()
     assert_same_layout(net, before)
+
+
+# float64 depthwise convs: NCHW has a direct kernel, channels_last none (measured here 3.8x
+# to 7.3x the time in channels_last, under load from other processes)
+DEPTHWISE = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+net = nn.Sequential(
+    nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.ReLU(),
+    nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.ReLU(),
+).double()
+images = torch.randn(8, 32, 64, 64, dtype=torch.float64)
+"""
+
+
+def test_convs_measured_slower_in_channels_last_are_checked_not_a_finding():
+    """Its own trial says channels_last would make the cell slower: no finding offers it
+    (the report would contradict itself); "checked: slower here" says so with the figure."""
+    report = torchtune_magic.perfcheck(
+        INFER, namespace(DEPTHWISE), checks="channels-last", budget=1
+    )
+    assert report.finding("channels-last") is None
+    assert report.variant_for(["channels-last"]) is None  # nothing offered, nothing timed
+    (checked,) = report.checked
+    assert (checked.id, checked.outcome) == ("channels-last", "slower here")
+    figure = re.search(
+        r"per-conv forward timing \(no grad\) of \d convs?: [\d.]+ ms NCHW → [\d.]+ ms "
+        r"channels_last \(([\d.]+)x the time\)",
+        checked.evidence,
+    )
+    assert figure is not None and float(figure.group(1)) > 1.1, checked.evidence
+    shown = text.render(report)
+    assert "checked: slower here (1):" in shown and checked.evidence in shown
+    assert "No findings to act on" in shown
+    data = report.to_dict()  # the saved report keeps it
+    jsonschema.validate(data, load_schema())
+    assert Report.from_dict(data).checked == report.checked

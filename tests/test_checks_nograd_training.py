@@ -66,8 +66,8 @@ def test_evaluation_through_a_lambda_is_found_wrapped_and_measured():
     finding = detection.finding
     assert finding.where == "the lambda at cell line 5, called at cell line 6 (1 forward)"
     assert finding.evidence.startswith("1 forward pass of model built an autograd graph")
-    assert "while 6 other forwards in the cell were trained through" in finding.evidence
-    assert f"held {SAVED_BYTES / 2**20:.1f} MiB of saved activations" in finding.evidence
+    assert "while 6 other forwards in the cell were trained through" in finding.details
+    assert f"held {SAVED_BYTES / 2**20:.1f} MiB of saved activations" in finding.details
     assert "+score = torch.no_grad()(lambda x, y: loss_fn(model(x), y))" in (
         finding.code_change.diff
     )

@@ -9,10 +9,12 @@ combined (`notebook_edits`), and `%perfcheck insert` carries the loader's rebuil
 
 from __future__ import annotations
 
+import ast
 import re
 import time
 
 import jsonschema
+import pytest
 import torch
 from torch.utils.data import Dataset
 
@@ -81,7 +83,7 @@ def test_earlier_cells_get_diffs_for_the_loader_and_the_convs_with_execution_cou
     counts = _cells(ip)
     report = ip.run_cell(CHECKED, store_history=True).result
     workers = report.finding("dataloader-workers")
-    k = ip.user_ns["loader"].num_workers or re.search(r"(\d+) chosen", workers.evidence)[1]
+    k = ip.user_ns["loader"].num_workers or re.search(r"(\d+) chosen", workers.details)[1]
     loader_line = "loader = DataLoader(SlowImages(32), batch_size=8, shuffle=True, "
     loader_after = f"%precision 3\n{loader_line}num_workers={k}, persistent_workers=True)"
 
@@ -194,6 +196,95 @@ def test_insert_carries_the_loader_rebuild_and_says_what_it_inserted(ip, capsys)
     before = ip.user_ns["loader"]
     assert ip.run_cell(inserted, store_history=True).error_in_exec is None
     assert ip.user_ns["loader"] is not before and ip.user_ns["loader"].persistent_workers
+
+
+# anomaly mode left on by an earlier cell -----------------------------------------------------
+
+# tiny ops: anomaly mode's record of each one costs several times the op
+TINY_MODEL = """layers = [nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(8)]
+model = nn.Sequential(*layers)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+X = torch.randn(4, 16)"""
+DEBUG_CELL = """DEBUG = True
+# chasing a NaN last week
+torch.autograd.set_detect_anomaly(True)  # on while debugging
+if DEBUG:
+    torch.autograd.set_detect_anomaly(mode=True)
+def debug_on():  # turns it on only when called
+    torch.autograd.set_detect_anomaly(True)
+lr = 0.1"""
+STEPS = """for step in range(20):
+    opt.zero_grad()
+    model(X).square().mean().backward()
+    opt.step()"""
+
+
+@pytest.fixture
+def anomaly_off(ip):
+    """Anomaly mode is process-wide: off again after the test, whatever it left (the fix
+    left applied is reverted first: its undo turns anomaly mode back on)."""
+    yield
+    ip.run_line_magic("perfcheck", "revert")
+    torch.autograd.set_detect_anomaly(False)
+
+
+@pytest.mark.usefixtures("anomaly_off")
+def test_anomaly_mode_left_on_by_an_earlier_cell_is_removed_there(ip, capsys):
+    """The fix names the cell that turned anomaly mode on: its edit removes both calls that
+    ran (comments kept, `pass` where the block would be empty; a function's call is left,
+    it ran only if called), and it is one more cell of the fixes' notebook edits, which
+    Apply to notebook applies as one change."""
+    assert ip.run_cell(TINY_MODEL, store_history=True).error_in_exec is None
+    count = ip.execution_count
+    assert ip.run_cell(DEBUG_CELL, store_history=True).error_in_exec is None
+    # applied by name: the edits then carry it whatever its verdict here (the recommended
+    # fixes' edits are made the same way, of the fixes measured clear wins)
+    checked = "%%perfcheck -o -q --budget 2 --checks debug-anomaly --apply debug-anomaly\n"
+    report = ip.run_cell(checked + STEPS, store_history=True).result
+    finding = report.finding("debug-anomaly")
+    assert finding.where == f"In[{count}] lines 3, 5"
+    assert f"enabled at In[{count}] lines 3, 5" in finding.details
+    assert finding.segment == "backward"
+
+    (cell,) = finding.code_change.cells
+    assert cell.execution_count == count and cell.before == DEBUG_CELL
+    assert cell.after == DEBUG_CELL.replace(
+        "torch.autograd.set_detect_anomaly(True)  # on while debugging\n", ""
+    ).replace("    torch.autograd.set_detect_anomaly(mode=True)", "    pass")
+    assert "def debug_on():  # turns it on only when called\n    torch" in cell.after
+    ast.parse(cell.after)
+    assert cell.diff.startswith(f"--- In[{count}]\n+++ In[{count}] (optimized)\n")
+    assert finding.code_change.elsewhere == []  # a real edit, not a hint to make one
+
+    assert report.applied == ["debug-anomaly"]
+    assert report.notebook_edits.fixes == ["debug-anomaly"]
+    assert report.notebook_edits.cells == [cell]
+    data = report.to_dict()
+    jsonschema.validate(data, load_schema())
+    assert Report.from_dict(data).notebook_edits == report.notebook_edits
+
+    capsys.readouterr()
+    ip.run_line_magic("perfcheck", "insert")  # a new cell cannot carry that edit: said
+    shown = capsys.readouterr().out
+    removes = f"removes the set_detect_anomaly(...) call at In[{count}] line 5"
+    assert f"not carried: debug-anomaly {removes}" in shown
+
+
+@pytest.mark.usefixtures("anomaly_off")
+def test_anomaly_mode_turned_on_in_the_checked_cell_is_removed_from_it(ip):
+    assert ip.run_cell(TINY_MODEL, store_history=True).error_in_exec is None
+    checked = (
+        "%%perfcheck -o -q --budget 2 --checks debug-anomaly --apply debug-anomaly\n"
+        "torch.autograd.set_detect_anomaly(mode=True)\n" + STEPS
+    )
+    report = ip.run_cell(checked, store_history=True).result
+    finding = report.finding("debug-anomaly")
+    assert finding.where == "cell line 2"  # the editor's numbering
+    (cell,) = report.notebook_edits.cells
+    assert cell.execution_count is None and cell.before == checked
+    assert cell.after == checked.replace("torch.autograd.set_detect_anomaly(mode=True)\n", "")
+    assert "-torch.autograd.set_detect_anomaly(mode=True)" in cell.diff
+    assert finding.code_change.cells == [cell]
 
 
 def _inputs(ip) -> history.Inputs:

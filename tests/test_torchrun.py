@@ -208,7 +208,7 @@ def test_accumulation_with_no_sync_is_silent_and_the_off_by_one_is_a_finding(
     assert right["findings"] == [] and right["not_applicable"] == []
     (wrong,) = json.loads((tmp_path / "report-wrong.json").read_text())["findings"]
     assert wrong["id"] == "ddp-no-sync"
-    assert "on micro-batch(es) [1] of each, not on the last" in wrong["evidence"]
+    assert "on micro-batch 1 of each, not on the last" in wrong["evidence"]
     assert "changes results on purpose" in wrong["caveat"]
 
 
@@ -299,7 +299,8 @@ def test_a_rank_with_a_slow_loader_is_named_and_the_others_wait_for_it(tmp_path:
     data = json.loads((tmp_path / "report-imbalance.json").read_text())
     (finding,) = data["findings"]
     assert finding["id"] == "rank-imbalance" and finding["where"] == "rank 1"
-    assert "went waiting for its DataLoader" in finding["evidence"], finding["evidence"]
+    assert "went waiting for its DataLoader" in finding["details"], finding["details"]
+    assert finding["segment"] == "data_wait"
     assert "more DataLoader workers" in finding["code_change"]["elsewhere"][0]
     waited = {r["rank"]: r["collective_share"] for r in data["distributed"]["ranks"]}
     assert waited[0] > 0.3 and waited[0] > 2 * waited[1], waited

@@ -96,7 +96,7 @@ def test_train_is_flagged_measured_through_its_arguments_and_ends_as_one_plain_t
 
     workers = report.finding("dataloader-workers")
     assert workers is not None and workers.fixable
-    assert "TrainingArguments(dataloader_num_workers=0)" in workers.evidence
+    assert "TrainingArguments(dataloader_num_workers=0)" in workers.details
     assert workers.where.startswith("the DataLoader trainer builds from trainer.args")
     (change,) = workers.code_change.cells  # the earlier cell's TrainingArguments(...) call
     assert change.execution_count == 1

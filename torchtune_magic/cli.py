@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from .report import count
 from .runner import DEFAULT_TIMEOUT_S
 
 
@@ -57,7 +58,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.output:
             print(f"the notebook, executed up to the error, is in {args.output}", file=sys.stderr)
         return 1
-    print(f"ran in {result.seconds:.1f} s; {len(result.reports)} %%perfcheck report(s)\n")
+    reports = count(len(result.reports), "%%perfcheck report")
+    print(f"ran in {result.seconds:.1f} s; {reports}\n")
     for item in result.reports:
         print(f"=== {notebook.name}, cell {item.cell} ===")
         print(text.render(item.report), end="\n\n")
@@ -86,7 +88,7 @@ def _run_other_rank(notebook: Path, args: argparse.Namespace, rank: int) -> int:
         return 1
     print(
         f"rank {rank}: ran {notebook} in {result.seconds:.1f} s; "
-        f"{len(result.reports)} %%perfcheck report(s), written by rank 0"
+        f"{count(len(result.reports), '%%perfcheck report')}, written by rank 0"
     )
     return 0
 

@@ -23,7 +23,7 @@ from IPython.core.magic_arguments import (
 from .engine import allocator, history
 from .engine.workload import CellError, Workload
 from .options import Options, OptionsError
-from .report import Report
+from .report import Report, count
 from .session import Session
 
 # Every session, for `%perfcheck revert`. Panels keep theirs alive; a session that left fixes
@@ -135,7 +135,8 @@ class PerfcheckMagics(Magics):
         if cell is None:
             return self._line_command(args.command)
         if args.command:
-            raise UsageError(f"%%perfcheck: unexpected argument(s): {' '.join(args.command)}")
+            unexpected = count(len(args.command), "unexpected argument")
+            raise UsageError(f"%%perfcheck: {unexpected}: {' '.join(args.command)}")
         try:
             options = Options.build(
                 checks=args.checks,
@@ -312,11 +313,10 @@ def _inserted_text(
             f"constructor change of {', '.join(rebuild.fixes)} (running it again rebuilds them "
             f"again; edit In[{rebuild.execution_count}] to keep the change)"
         )
-    for check_id, where in by_hand:
+    for check_id, change in by_hand:
         lines.append(
-            f"  not carried: {check_id} changes a constructor inside an object built earlier "
-            f"({where}): edit that cell (see the report's code changes) and re-run the cells "
-            "that build the object"
+            f"  not carried: {check_id} {change}: edit that cell (see the report's code "
+            "changes) and re-run it, and the cells that build on it"
         )
     return "\n".join(lines)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .report import count
+
 
 class OptionsError(ValueError):
     """An option the user gave cannot be used; the message says why and what is valid."""
@@ -62,14 +64,15 @@ class Options:
             unknown = [i for i in ids if i not in known]
             if unknown:
                 raise OptionsError(
-                    f"{label}: unknown check id(s) {', '.join(unknown)}; "
+                    f"{label}: {count(len(unknown), 'unknown check id')}: {', '.join(unknown)}; "
                     f"known: {', '.join(sorted(known))}"
                 )
         applied = _id_list(apply)
         unknown = [i for i in applied if i not in ("all", "wins") and i not in known]
         if unknown:
             raise OptionsError(
-                f"--apply: unknown check id(s) {', '.join(unknown)}; use ids, 'all' or 'wins'"
+                f"--apply: {count(len(unknown), 'unknown check id')}: {', '.join(unknown)}; "
+                "use ids, 'all' or 'wins'"
             )
         if budget is not None and not budget > 0:
             raise OptionsError(f"--budget must be a positive number of seconds, got {budget!r}")

@@ -112,7 +112,12 @@ class NotebookEdits:
 
 @dataclass
 class Finding:
-    """One thing the tuning guide would change, with the evidence that it happened."""
+    """One thing the tuning guide would change, with the evidence that it happened.
+
+    `evidence` is one sentence leading with its key number ("batches waited 63% of the
+    run"), what a user reads at a glance; `details` holds the rest (trials, per-batch
+    figures), folded in the views. `segment` is the part of the time split the fix acts
+    on (a key of `Report.time_split`), so a view can point the finding at its share."""
 
     id: str
     title: str
@@ -123,6 +128,23 @@ class Finding:
     line: int | None = None
     caveat: str | None = None
     code_change: CodeChange | None = None
+    segment: str | None = None  # data_wait | forward | backward | optimizer | other
+    details: str | None = None
+
+
+SLOWER_HERE = "slower here"  # a Checked outcome: the check's own trial measured the fix slower
+
+
+@dataclass
+class Checked:
+    """A check that looked and found its fix would not pay here: its own trial measured it
+    slower (e.g. channels-last's per-conv timing). Shown apart from the findings, with the
+    figure, so the report never lists a fix that its own evidence says to skip."""
+
+    id: str
+    title: str
+    outcome: str  # SLOWER_HERE
+    evidence: str
 
 
 @dataclass
@@ -380,6 +402,8 @@ class Report:
     # where the baseline's first measuring run spent its time, seconds by part (data_wait,
     # forward, backward, optimizer, other: `engine/time_split.py`)
     time_split: dict[str, float] | None = None
+    # checks whose own trial measured their fix slower here: not findings, said apart
+    checked: list[Checked] = field(default_factory=list)
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -428,12 +452,16 @@ class Report:
         for key in (*optional, "distributed"):
             if data[key] is None:
                 del data[key]
-        if not data["failures"]:
-            del data["failures"]  # optional: a report without them reads as before
+        for key in ("failures", "checked"):
+            if not data[key]:
+                del data[key]  # optional: a report without them reads as before
         for finding in data["findings"]:
             change = finding.get("code_change")
             if change is not None and not change["cells"]:
                 del change["cells"]  # optional: a finding without cell edits reads as before
+            for key in ("segment", "details"):
+                if finding[key] is None:
+                    del finding[key]  # optional: a finding without them reads as before
         if data["phase"] == "done":
             del data["phase"]  # absent means done: a finished report reads as v1 always did
         ordered = {"schema": SCHEMA_ID}
@@ -491,6 +519,7 @@ class Report:
             distributed=_distributed(data.get("distributed")),
             failures=[OwnFailure(**f) for f in data.get("failures", [])],
             time_split=data.get("time_split"),
+            checked=[Checked(**c) for c in data.get("checked") or []],
         )
 
     def __repr__(self) -> str:

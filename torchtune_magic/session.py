@@ -56,6 +56,7 @@ from .measuring.runs import Hooks, Runs
 from .options import Options
 from .report import (
     CellRun,
+    Checked,
     Distributed,
     NotApplicable,
     NotebookEdits,
@@ -101,6 +102,7 @@ class Session:
         self.observation: probe.Observation | None = None
         self.detections: list[Detection] = []
         self.not_applicable: list[NotApplicable] = []
+        self.checked: list[Checked] = []  # checks whose own trial measured the fix slower
         self.warnings: list[str] = []
         # perfcheck's own failures after the probe, each contained at its part: the cell
         # never fails for them, and the report says which part failed and why
@@ -306,7 +308,7 @@ class Session:
         obs = self._observed()
         # a cell that changed what no restore can put back is not run again, trials included
         obs.trials_s = 0.0 if self._runs_once else TRIALS_SHARE * self.options.budget
-        self.detections, self.not_applicable = [], []
+        self.detections, self.not_applicable, self.checked = [], [], []
         with self.failures.part("detection"):
             for check in registry.all_checks():
                 if self.options.wants(check.id):
@@ -320,14 +322,18 @@ class Session:
         return self.detections
 
     def _run_check(self, check: Check, obs: probe.Observation) -> None:
-        """One check's findings, or why it does not apply here."""
+        """One check's findings, what it found slower here, or why it does not apply."""
         reason = check.not_applicable(obs)
         if reason is None and self.ranks is not None:
             reason = check.not_applicable_under_torchrun()
         if reason is not None:
             self.not_applicable.append(NotApplicable(check.id, reason))
-        else:
-            self.detections.extend(check.detect(obs))
+            return
+        for found in check.detect(obs):
+            if isinstance(found, Checked):
+                self.checked.append(found)
+            else:
+                self.detections.append(found)
 
     def _found_on_every_rank(self, detections: list[Detection]) -> list[Detection]:
         """Under torchrun, the findings every rank made (each rank's fix is applied on
@@ -336,9 +342,10 @@ class Session:
         everywhere = set.intersection(*(set(ids) for ids in seen))
         for finding_id in dict.fromkeys(i for ids in seen for i in ids):
             if finding_id not in everywhere:
-                ranks = ", ".join(str(r) for r, ids in enumerate(seen) if finding_id in ids)
+                on = [str(r) for r, ids in enumerate(seen) if finding_id in ids]
+                ranks = ("rank " if len(on) == 1 else "ranks ") + ", ".join(on)
                 self.warnings.append(
-                    f"{finding_id}: found on rank(s) {ranks} only, so it is not measured "
+                    f"{finding_id}: found on {ranks} only, so it is not measured "
                     "(a fix must run on every rank, as the cell's collectives do)"
                 )
         return [d for d in detections if d.finding.id in everywhere]
@@ -712,6 +719,7 @@ class Session:
             distributed=self._distributed(runs),
             failures=list(self.failures.seen),
             time_split=runs.time_split if runs is not None else None,
+            checked=list(self.checked),
         )
 
     def _observed(self) -> probe.Observation:

@@ -16,7 +16,8 @@ import torch
 
 from ..engine import codeedit, discovery
 from ..engine.fixes import Fix, Patcher
-from ..report import CodeChange
+from ..engine.time_split import FORWARD, OTHER
+from ..report import CodeChange, count
 from . import bounds
 from .base import Check, Detection, size_text
 from .userfuncs import function_locations
@@ -92,10 +93,12 @@ class NoGradCheck(Check):
             Detection(
                 self.finding(
                     evidence=(
-                        f"{names} ran with grad recording ({calls} module calls) "
-                        "and no backward pass ran in the cell"
+                        f"{count(calls, 'module call')} of {names} recorded an autograd graph "
+                        "that no backward pass used"
                     ),
+                    details="no backward pass ran in the cell",
                     where=where,
+                    segment=FORWARD,
                     fixable=True,
                     line=lines[0] if lines else None,
                     caveat=INFERENCE_CAVEAT,
@@ -331,20 +334,24 @@ def _evaluation_in_training(check: NoGradCheck, obs: Observation) -> list[Detect
     for site in evaluation:
         planner.place(site, unused(site))
     targets = planner.chosen()
-    count = sum(unused(s) for s in evaluation)
+    forwards = sum(unused(s) for s in evaluation)
     names = ", ".join(sorted({obs.module_path(s.module) for s in evaluation}))
     held = max(s.saved_bytes or 0 for s in evaluation)
     evidence = (
-        f"{count} forward pass{'es' if count > 1 else ''} of {names} built an autograd graph "
-        f"that no backward pass reached, while {sum(s.backpropagated for s in trained)} "
-        "other forwards in the cell were trained through"
+        f"{count(forwards, 'forward pass', 'forward passes')} of {names} built an autograd "
+        "graph that no backward pass reached"
     )
+    trained_through = sum(s.backpropagated for s in trained)
+    details = [
+        f"while {count(trained_through, 'other forward')} in the cell "
+        f"{'was' if trained_through == 1 else 'were'} trained through"
+    ]
     if held:
-        evidence += f"; the largest held {size_text(held)} of saved activations"
+        details.append(f"the largest held {size_text(held)} of saved activations")
     places = [_where(t) for t in targets]
     if planner.unplaced:
         places.append(f"{planner.unplaced} in code that also trains, left as it is")
-    evidence += "; they ran in " + "; ".join(places)
+    details.append("they ran in " + "; ".join(places))
     source = obs.workload.source
     fixed, notes = codeedit.edited(source, lambda s: _edit_cell(s, targets))
     functions = [t for t in targets if t.function is not None]
@@ -354,7 +361,9 @@ def _evaluation_in_training(check: NoGradCheck, obs: Observation) -> list[Detect
         Detection(
             check.finding(
                 evidence=evidence,
+                details="; ".join(details),
                 where=where,
+                segment=FORWARD,
                 fixable=bool(targets),
                 line=lines[0] if lines else None,
                 caveat=(
@@ -524,16 +533,19 @@ class ZeroGradNoneCheck(Check):
         how = []
         if in_place_calls:
             names = ", ".join(sorted({self._owner_name(obs, o) for o in owners}))
-            how.append(f"{names}.zero_grad(set_to_none=False) called {len(in_place_calls)} times")
+            calls = count(len(in_place_calls), "time")
+            how.append(f"{names}.zero_grad(set_to_none=False) called {calls}")
         if manual:
             manual_lines = sorted(stmt.lineno for stmt, _ in manual)
             how.append(f"in-place zeroing of .grad at cell {_lines_text(manual_lines)}")
+        zeroed = obs.zeroed_grad_params
         evidence = (
-            f"before {obs.zeroed_grad_backwards} of {obs.backward_calls} backward passes, up to "
-            f"{obs.zeroed_grad_params} parameter grads were all-zero tensors rather than None"
+            f"before {obs.zeroed_grad_backwards} of "
+            f"{count(obs.backward_calls, 'backward pass', 'backward passes')}, up to "
+            f"{count(zeroed, 'parameter grad')} "
+            f"{'was an all-zero tensor' if zeroed == 1 else 'were all-zero tensors'} rather "
+            "than None"
         )
-        if how:
-            evidence += f" ({'; '.join(how)})"
         elsewhere = list(notes)
         if fix is None:
             elsewhere.append(
@@ -547,6 +559,11 @@ class ZeroGradNoneCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details="; ".join(how) or None,
+                    # zeroing in place is a fill in zero_grad (the split's "other") and
+                    # an add, not a copy, at the backward's first accumulation: the fill
+                    # is the part a run's split shows apart
+                    segment=OTHER,
                     where=", ".join(where_parts) or "code called from this cell",
                     fixable=fix is not None,
                     line=lines[0] if lines else None,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from ..engine.fixes import Fix
-from ..engine.history import CallEdit
-from ..report import Finding, Variant
+from ..engine.history import Edit
+from ..report import Checked, Finding, Variant
 
 if TYPE_CHECKING:
     from ..engine.probe import Observation
@@ -21,12 +22,13 @@ _WORK_ON = {"cpu": "the CPU", "cuda": "a CUDA device"}
 class Detection:
     """A finding, the live fix that goes with it (if any), the edited cell text (if the
     permanent change edits the cell) and the edits of the earlier cells that built the
-    objects (`history.keyword_edit`), so several changes can be combined."""
+    objects (`history.keyword_edit`) or turned a switch on (`history.switched_on`), so
+    several changes can be combined."""
 
     finding: Finding
     fix: Fix | None = None
     fixed_source: str | None = None
-    earlier: list[CallEdit] = field(default_factory=list)
+    earlier: list[Edit] = field(default_factory=list)
 
 
 class Check:
@@ -84,7 +86,10 @@ class Check:
         """Where this check applies, for people: "CPU", "CUDA" or "CPU, CUDA"."""
         return ", ".join(DEVICE_NAMES[device] for device in cls.devices)
 
-    def detect(self, obs: Observation) -> list[Detection]:
+    def detect(self, obs: Observation) -> Sequence[Detection | Checked]:
+        """The findings this check makes of the run, each with its fix; a `Checked` where
+        the check's own trial measured its fix slower here (the report lists it apart,
+        never as a finding to act on)."""
         raise NotImplementedError
 
     def finding(self, **fields: object) -> Finding:

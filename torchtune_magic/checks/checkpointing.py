@@ -137,11 +137,12 @@ class ActivationCheckpointingCheck(Check):
         why = "--memory asked" if obs.memory_asked else "memory-bound"
         if obs.out_of_memory:
             why = "out of memory"
-        evidence = f"{why}; repeated blocks ran with autograd recording ({groups})"
+        evidence = f"{why}: repeated blocks ran with autograd recording ({groups})"
         if peak is not None:
-            evidence += f"; peak memory {_mib(peak)}"
+            evidence += f", peak memory {_mib(peak)}"
             if share is not None:
                 evidence += f" ({share:.0%} {device_label})"
+        details = None
         first = obs.module_path(found[0][0])
         fix = CheckpointFix({obs.module_path(block): block for block in blocks})
         fix.seen = obs.places_of(*blocks)
@@ -161,14 +162,15 @@ class ActivationCheckpointingCheck(Check):
                 elsewhere, earlier = change.elsewhere, change.earlier
             # train() would switch the model's layers to checkpointing for good (nothing in
             # the Trainer switches them back), so the live fix wraps the blocks itself
-            evidence += (
-                f"; live fix: the blocks checkpointed directly ({setting}=True would switch "
+            details = (
+                f"live fix: the blocks checkpointed directly ({setting}=True would switch "
                 "the model's layers for good, beyond an exact undo)"
             )
         return [
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,  # no segment: a memory fix, paid for in time
                     where=", ".join(obs.module_path(c) for c, _ in found),
                     fixable=True,
                     caveat=(

@@ -17,7 +17,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..engine import discovery, history
 from ..engine.fixes import Fix, Patcher
-from ..report import CodeChange
+from ..engine.time_split import FORWARD
+from ..report import CodeChange, count
 from . import bounds
 from .base import Check, Detection
 
@@ -43,8 +44,8 @@ def conv_bn_pairs(obs: Observation) -> list[_Pair]:
     conv's channels that no other module feeds."""
     consumers: dict[int, dict[int, int]] = {}
     producers: dict[int, set[int]] = {}
-    for (src, dst), count in obs.edges.items():
-        consumers.setdefault(src, {})[dst] = count
+    for (src, dst), calls in obs.edges.items():
+        consumers.setdefault(src, {})[dst] = calls
         producers.setdefault(dst, set()).add(src)
     pairs = []
     for use in obs.modules.values():
@@ -236,17 +237,21 @@ class ConvBiasBNCheck(Check):
             f"{' and '.join(obs.module_path(n) for n in pair.norms)} on all {pair.calls} calls"
             for path, pair in zip(paths, pairs, strict=True)
         ]
-        evidence = "; ".join(described[:SHOWN])
+        details = "; ".join(described[:SHOWN])
         if len(described) > SHOWN:
-            evidence += f"; and {len(described) - SHOWN} more"
+            details += f"; and {len(described) - SHOWN} more"
         params = sum(pair.conv.out_channels for pair in pairs)
-        evidence += f" ({params} bias values added and then subtracted again by the mean)"
+        evidence = (
+            f"{count(params, 'bias value')} of {count(len(pairs), 'convolution')} "
+            f"{'was' if params == 1 else 'were'} added and then subtracted again by the "
+            "BatchNorm's mean"
+        )
         in_cell = [
             path for path, pair in zip(paths, pairs, strict=True) if _built_in_cell(obs, pair.conv)
         ]
         fix = None
         if in_cell:
-            evidence += (
+            details += (
                 f"; not applied live: the cell builds {', '.join(in_cell)} itself, so every "
                 "run makes new modules: change the constructors"
             )
@@ -259,6 +264,8 @@ class ConvBiasBNCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,
+                    segment=FORWARD,
                     where=", ".join(paths),
                     fixable=fix is not None,
                     caveat=(

@@ -16,7 +16,8 @@ from torch import nn
 
 from ..engine import codeedit
 from ..engine.fixes import Fix, Patcher
-from ..report import CodeChange
+from ..engine.time_split import FORWARD, OTHER
+from ..report import CodeChange, count
 from .base import Check, Detection, size_text
 from .loader import lines_text, non_blocking_edit
 
@@ -60,17 +61,21 @@ class CudnnBenchmarkCheck(Check):
             return []  # autotuning would re-run for every new shape
         calls = sum(use.calls for use in convs)
         shapes = sorted({shape for use in convs for shape in use.input_shapes})
-        example = f"; input shapes such as {shapes[0]}" if shapes else ""
+        example = f"input shapes such as {shapes[0]}; " if shapes else ""
         source = obs.workload.source
         fixed = "torch.backends.cudnn.benchmark = True\n" + source
         return [
             Detection(
                 self.finding(
                     evidence=(
-                        f"{len(convs)} convolution modules ran {calls} times, each with one "
-                        f"input shape{example}; torch.backends.cudnn.benchmark is False, so "
-                        "cuDNN picks kernels by heuristics instead of timing them"
+                        f"{count(len(convs), 'convolution module')} ran {count(calls, 'time')} "
+                        "without the cuDNN auto-tuner, each with one input shape"
                     ),
+                    details=(
+                        f"{example}torch.backends.cudnn.benchmark is False, so cuDNN picks "
+                        "kernels by heuristics instead of timing them"
+                    ),
+                    segment=FORWARD,
                     where=", ".join(sorted({obs.module_path(u.module) for u in convs})[:6]),
                     fixable=True,
                     caveat=(
@@ -122,9 +127,8 @@ class NonBlockingCopyCheck(Check):
         fix = NonBlockingCopyFix(lines) if fixed != source else None
         size = size_text(sum(c.nbytes for c in blocking))
         evidence = (
-            f"{len(blocking)} copies of pinned host tensors ({size} in all) to the GPU ran "
-            "with non_blocking=False: the host waits for each one instead of queueing it "
-            "behind the running kernels"
+            f"{count(len(blocking), 'copy', 'copies')} of pinned host tensors ({size} in all) "
+            "to the GPU ran with non_blocking=False"
         )
         elsewhere = []
         if fix is None:
@@ -133,6 +137,11 @@ class NonBlockingCopyCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=(
+                        "the host waits for each one instead of queueing it behind the "
+                        "running kernels"
+                    ),
+                    segment=OTHER,  # the cell's own copies, between the parts it times
                     where=f"cell {lines_text(lines)}" if lines else "code called from the cell",
                     fixable=fix is not None,
                     line=min(lines) if lines else None,
@@ -256,10 +265,12 @@ class TensorOnDeviceCheck(Check):
             Detection(
                 self.finding(
                     evidence=(
-                        f"{len(moved)} tensors ({size_text(sum(c.nbytes for c in moved))}) were "
-                        f"built on the CPU and copied to the GPU at cell "
-                        f"{lines_text(move_lines)}"
+                        f"{count(len(moved), 'tensor')} "
+                        f"({size_text(sum(c.nbytes for c in moved))}) "
+                        f"{'was' if len(moved) == 1 else 'were'} built on the CPU and copied "
+                        f"to the GPU at cell {lines_text(move_lines)}"
                     ),
+                    segment=OTHER,  # built by the cell's own code
                     where=f"cell {lines_text(move_lines)}",
                     fixable=True,
                     line=min(move_lines),

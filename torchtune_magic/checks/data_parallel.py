@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..report import CodeChange
+from ..engine.time_split import FORWARD
+from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -32,11 +33,11 @@ class DataParallelCheck(Check):
 
     def not_applicable(self, obs: Observation) -> str | None:
         reason = super().not_applicable(obs)
-        count = torch.cuda.device_count()
-        if reason is None and count < 2:
+        gpus = torch.cuda.device_count()
+        if reason is None and gpus < 2:
             reason = (
                 "not applicable: DataParallel spreads work over two or more GPUs; "
-                f"{count} {'is' if count == 1 else 'are'} visible here"
+                f"{gpus} {'is' if gpus == 1 else 'are'} visible here"
             )
         return reason
 
@@ -49,16 +50,19 @@ class DataParallelCheck(Check):
             gpus = len(model.device_ids)
             name = obs.module_path(model)
             line = min(use.lines) if use.lines else None
-            evidence = (
-                f"`{name}` is an nn.DataParallel over {gpus} GPUs, called {use.calls} times: "
-                f"each forward copies the model from GPU {model.device_ids[0]} to the others, "
-                "splits the batch and gathers the outputs back there, all from one Python "
-                "process whose threads share one GIL"
-            )
             found.append(
                 Detection(
                     self.finding(
-                        evidence=evidence,
+                        evidence=(
+                            f"`{name}` is an nn.DataParallel over {gpus} GPUs, called "
+                            f"{count(use.calls, 'time')}"
+                        ),
+                        details=(
+                            f"each forward copies the model from GPU {model.device_ids[0]} to "
+                            "the others, splits the batch and gathers the outputs back there, "
+                            "all from one Python process whose threads share one GIL"
+                        ),
+                        segment=FORWARD,
                         where=f"`{name}`" + (f", cell line {line}" if line else ""),
                         fixable=False,
                         line=line,

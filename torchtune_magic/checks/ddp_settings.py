@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..engine import frameworks
 from ..engine.fixes import Fix, Patcher, expect, patched, replace_held
+from ..engine.time_split import BACKWARD, FORWARD
 from ..report import CodeChange
 from .base import Detection, size_text
 from .distributed import DistributedCheck, model_name
@@ -194,6 +195,7 @@ class _DdpSettingCheck(DistributedCheck):
     """A DDP constructor setting: found per DDP model, fixed by a rebuilt wrapper."""
 
     fix_class: ClassVar[type[DdpSettingsFix]]
+    segment: ClassVar[str]  # the part of the step the setting costs
 
     def detect(self, obs: Observation) -> list[Detection]:
         found = []
@@ -214,6 +216,7 @@ class _DdpSettingCheck(DistributedCheck):
         synced: SyncedForwards,
         settings: dict[str, Any],
         evidence: str,
+        details: str,
         caveat: str | None = None,
     ) -> Detection:
         model = synced.module
@@ -228,10 +231,12 @@ class _DdpSettingCheck(DistributedCheck):
             if locations and all(location.rebindable for location in locations):
                 fix = self.fix_class(settings, plan_for(model, locations))
             else:
-                evidence += "; not applied live: no notebook name holds the wrapper to rebind"
+                details += "; not applied live: no notebook name holds the wrapper to rebind"
         return Detection(
             self.finding(
                 evidence=evidence,
+                details=details,
+                segment=self.segment,
                 where=f"`{name}`" + (f", cell line {line}" if line else ""),
                 fixable=fix is not None,
                 line=line,
@@ -276,6 +281,7 @@ def _code_change(
 class DdpFindUnusedCheck(_DdpSettingCheck):
     id = "ddp-find-unused"
     fix_class = FindUnusedFix
+    segment = FORWARD  # the search runs at the end of each forward
     title = "DDP searches the graph for unused parameters every forward"
     threshold = "`find_unused_parameters=True` and the same parameters unused in every backward"
 
@@ -294,28 +300,33 @@ class DdpFindUnusedCheck(_DdpSettingCheck):
             evidence = (
                 f"`{name}` is built with `find_unused_parameters=True`, yet all {trainable} of "
                 f"its trainable parameters got a gradient in each of the {seen} synced "
-                "backward passes seen: the autograd-graph search DDP makes every forward "
-                "found nothing"
+                "backward passes seen"
             )
-            return self._detection(obs, synced, {"find_unused_parameters": False}, evidence)
+            details = "the autograd-graph search DDP makes every forward found nothing"
+            settings = {"find_unused_parameters": False}
+            return self._detection(obs, synced, settings, evidence, details)
         shown = ", ".join(sorted(_plain(n) for n in left)[:3])
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         evidence = (
             f"`{name}` is built with `find_unused_parameters=True` and the same {len(left)} "
             f"of its {trainable} parameters ({shown}{more}) got no gradient in each of the "
-            f"{seen} synced backward passes seen: a static graph, which `static_graph=True` "
-            "learns once instead of searching every forward"
+            f"{seen} synced backward passes seen"
+        )
+        details = (
+            "a static graph, which `static_graph=True` learns once instead of searching every "
+            "forward"
         )
         caveat = (
             "static_graph=True holds only while the same parameters go unused in every step "
             "(no data-dependent branches that skip layers)"
         )
-        return self._detection(obs, synced, {"static_graph": True}, evidence, caveat)
+        return self._detection(obs, synced, {"static_graph": True}, evidence, details, caveat)
 
 
 class DdpBucketViewCheck(_DdpSettingCheck):
     id = "ddp-bucket-view"
     fix_class = BucketViewFix
+    segment = BACKWARD  # the copies run as the backward fills the buckets
     title = "DDP copies the gradients into its buckets and back"
     threshold = "`gradient_as_bucket_view=False` with a synced backward"
 
@@ -326,16 +337,19 @@ class DdpBucketViewCheck(_DdpSettingCheck):
         name = model_name(obs, model)
         size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         evidence = (
-            f"`{name}` is built with `gradient_as_bucket_view=False`: each of the "
-            f"{len(synced.unused)} synced backward passes seen copied its {size_text(size)} "
-            "of gradients into DDP's all-reduce buckets and back, and both copies stay "
+            f"each of the {len(synced.unused)} synced backward passes of `{name}` seen copied "
+            f"its {size_text(size)} of gradients into DDP's all-reduce buckets and back"
+        )
+        details = (
+            f"`{name}` is built with `gradient_as_bucket_view=False`, and both copies stay "
             "allocated"
         )
         caveat = (
             "the gradients become views into DDP's buckets: `param.grad.detach_()` and "
             "`requires_grad_()` on them raise (`zero_grad()` and `set_to_none` are fine)"
         )
-        return self._detection(obs, synced, {"gradient_as_bucket_view": True}, evidence, caveat)
+        settings = {"gradient_as_bucket_view": True}
+        return self._detection(obs, synced, settings, evidence, details, caveat)
 
 
 def _plain(name: str) -> str:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..engine import codeedit
+from ..engine import codeedit, history
 from ..engine.fixes import Fix, FixError, Patcher, patched
 from ..engine.memory import _native_stderr_silenced
+from ..engine.time_split import BACKWARD, FORWARD, OTHER
 from ..report import CodeChange, count
 from .base import Check, Detection
 
@@ -75,6 +76,14 @@ def _strip_calls(
 def _lines_text(lines: list[int] | set[int]) -> str:
     ordered = sorted(lines)
     return ("line " if len(ordered) == 1 else "lines ") + ", ".join(map(str, ordered))
+
+
+def _cells_text(edits: list[history.RemovedCall]) -> str:
+    """Earlier cells' lines as a finding names them: "In[2] line 1, In[4] lines 2, 5"."""
+    lines: dict[int, set[int]] = {}
+    for edit in edits:
+        lines.setdefault(edit.execution_count, set()).add(edit.line)
+    return ", ".join(f"In[{cell}] {_lines_text(lines[cell])}" for cell in sorted(lines))
 
 
 # anomaly mode -------------------------------------------------------------------------------
@@ -148,37 +157,59 @@ class AnomalyCheck(Check):
             return []
         source = obs.workload.source
         fixed, lines, notes = _strip_calls(source, obs.tree, ANOMALY_NAMES)
-        parts = []
-        if obs.backward_calls:
-            parts.append(f"{obs.backward_with_anomaly} of {obs.backward_calls} backward passes")
+        # an earlier cell that turned it on and left it on: that call goes too
+        earlier = []
+        if obs.anomaly_at_start:
+            earlier = history.switched_on(obs.workload.notebook, {"set_detect_anomaly"}, _enables)
         forwards = sum(use.calls for use in obs.modules.values())
-        if forwards:
-            parts.append(f"{obs.forward_with_anomaly} of {forwards} module calls")
-        evidence = "anomaly mode was on for " + (" and ".join(parts) or "the whole cell")
+        if obs.backward_calls:
+            evidence = (
+                f"anomaly mode was on for {obs.backward_with_anomaly} of "
+                f"{count(obs.backward_calls, 'backward pass', 'backward passes')}"
+            )
+        elif forwards:
+            evidence = (
+                f"anomaly mode was on for {obs.forward_with_anomaly} of "
+                f"{count(forwards, 'module call')}"
+            )
+        else:
+            evidence = "anomaly mode was on for the whole cell"
+        details = []
+        if obs.backward_calls and forwards:
+            on = obs.forward_with_anomaly
+            details.append(f"{on} of {count(forwards, 'module call')} ran with it on")
         elsewhere = list(notes)
+        where = []
         if lines:
-            evidence += f" (enabled at cell {_lines_text(lines)})"
-            where = f"cell {_lines_text(lines)}"
-        elif obs.anomaly_at_start:
-            evidence += " (already on when the cell started: enabled in an earlier cell)"
-            where = "global anomaly mode, set before this cell"
+            details.append(f"enabled at cell {_lines_text(lines)}")
+            where.append(f"cell {_lines_text(lines)}")
+        if earlier:
+            cells = _cells_text(earlier)
+            details.append(f"already on when the cell started: enabled at {cells}")
+            where.append(cells)
+        elif obs.anomaly_at_start and not lines:
+            details.append("already on when the cell started: enabled in an earlier cell")
+            where.append("global anomaly mode, set before this cell")
             elsewhere.append(
                 "remove torch.autograd.set_detect_anomaly(True) from the cell that enabled it"
             )
-        else:
-            where = "code called from this cell"
+        if not where:
+            where.append("code called from this cell")
             elsewhere.append("remove detect_anomaly / set_detect_anomaly from the code it calls")
         return [
             Detection(
                 self.finding(
                     evidence=evidence,
-                    where=where,
+                    details="; ".join(details) or None,
+                    where="; ".join(where),
                     fixable=True,
                     line=lines[0] if lines else None,
+                    segment=BACKWARD if obs.backward_with_anomaly else FORWARD,
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
                 AnomalyOffFix(),
                 fixed,
+                list(earlier),
             )
         ]
 
@@ -432,8 +463,9 @@ class ProfilerCheck(Check):
             evidence = f"{kind} `{name}`, started before this cell, was recording it"
         else:
             evidence = "a profiler started before this cell was recording it"
+        details = None
         if obs.forward_under_profiler:
-            evidence += f"; {obs.forward_under_profiler} module calls ran under it"
+            details = f"{count(obs.forward_under_profiler, 'module call')} ran under it"
         entry_lines = sorted({e.line for e in entries if e.line is not None} | set(lines))
         elsewhere = list(notes)
         if obs.profiler_at_start:
@@ -456,6 +488,7 @@ class ProfilerCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,  # no segment: a profiler records every part alike
                     where=f"cell {_lines_text(entry_lines)}"
                     if entry_lines
                     else (f"`{found[0][0]}`, " if found else "") + "started before this cell",
@@ -526,9 +559,11 @@ class GradcheckCheck(Check):
             Detection(
                 self.finding(
                     evidence=(
-                        f"{'/'.join(names)} ran {count(len(calls), 'time')}, {spent:.3f} s of the "
-                        f"cell's {obs.wall_s:.3f} s ({share:.0%})"
+                        f"{'/'.join(names)} took {share:.0%} of the cell's time ({spent:.3f} s "
+                        f"of {obs.wall_s:.3f} s)"
                     ),
+                    details=f"{'/'.join(names)} ran {count(len(calls), 'time')}",
+                    segment=OTHER,
                     where=f"cell {_lines_text(lines)}" if lines else "code called from this cell",
                     fixable=True,
                     line=lines[0] if lines else None,

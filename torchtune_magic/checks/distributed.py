@@ -29,7 +29,8 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
 
 from ..engine.fixes import Fix, Patcher
-from ..report import CodeChange
+from ..engine.time_split import BACKWARD
+from ..report import CodeChange, count
 from .base import Check, Detection, size_text
 from .loader.rebuild import plan_for
 from .loader.target import locate
@@ -132,18 +133,24 @@ class DdpNoSyncCheck(DistributedCheck):
         if all(all(step) for step in steps):
             evidence = (
                 f"`{name}` ran {accumulate} forwards with backward per optimizer step and "
-                f"all-reduced {size_text(grads)} of gradients after each ({syncs} all-reduces "
-                f"over {len(steps)} optimizer steps); only the last of each step is used"
+                f"all-reduced {size_text(grads)} of gradients after each"
+            )
+            details = (
+                f"{count(syncs, 'all-reduce')} over {count(len(steps), 'optimizer step')}; "
+                "only the last of each step is used"
             )
             caveat = None
         else:
             where_synced = sorted({i + 1 for step in steps for i, s in enumerate(step) if s})
+            micro = "micro-batch" if len(where_synced) == 1 else "micro-batches"
             evidence = (
                 f"`{name}` all-reduced {per_step:g} {'time' if per_step == 1 else 'times'} "
-                "per optimizer step of "
-                f"{accumulate} micro-batches, on micro-batch(es) {where_synced} of each, not "
-                "on the last: the gradients of the micro-batches after the sync stay each "
-                "rank's own, so the ranks step with different gradients and drift apart"
+                f"per optimizer step of {accumulate} micro-batches, on {micro} "
+                f"{', '.join(map(str, where_synced))} of each, not on the last"
+            )
+            details = (
+                "the gradients of the micro-batches after the sync stay each rank's own, so "
+                "the ranks step with different gradients and drift apart"
             )
             caveat = (
                 "the fix changes results on purpose: every rank then steps with the "
@@ -152,6 +159,8 @@ class DdpNoSyncCheck(DistributedCheck):
         return Detection(
             self.finding(
                 evidence=evidence,
+                details=details,
+                segment=BACKWARD,  # DDP all-reduces as the backward fills its buckets
                 where=f"`{name}`" + (f", cell line {line}" if line else ""),
                 fixable=True,
                 line=line,
@@ -218,9 +227,12 @@ class DistributedSamplerCheck(DistributedCheck):
             target = locate(obs, use)
             shuffle = isinstance(sampler, RandomSampler)
             evidence = (
-                f"{target.name} has a {type(sampler).__name__}, so each of the {world} ranks "
-                f"iterates all {len(loader)} of its batches an epoch: every rank trains on the "
-                f"same data, {world}x the work of one epoch split across the ranks"
+                f"each of the {world} ranks iterates all {len(loader)} batches of "
+                f"{target.name} an epoch"
+            )
+            details = (
+                f"{target.name} has a {type(sampler).__name__}: every rank trains on the same "
+                f"data, {world}x the work of one epoch split across the ranks"
             )
             caveat = (
                 f"with the fix each rank sees 1/{world} of the dataset an epoch, so results "
@@ -236,12 +248,13 @@ class DistributedSamplerCheck(DistributedCheck):
                 plan = plan_for(loader, target.locations)
                 fix = DistributedSamplerFix(plan, distributed_sampler)
             else:
-                evidence += f"; not applied live: {target.unreachable or 'not reachable'}"
+                details += f"; not applied live: {target.unreachable or 'not reachable'}"
             line = min(use.lines) if use.lines else None
             found.append(
                 Detection(
                     self.finding(
                         evidence=evidence,
+                        details=details,  # no segment: the fix cuts whole steps
                         where=target.name,
                         fixable=fix is not None,
                         line=line,

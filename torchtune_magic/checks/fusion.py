@@ -20,6 +20,7 @@ import torch
 
 from ..engine import codeedit, discovery, frameworks, lockstep
 from ..engine.fixes import Fix, Patcher
+from ..engine.time_split import FORWARD, OTHER
 from ..report import CodeChange, count
 from .base import Check, Detection
 from .userfuncs import function_locations
@@ -307,17 +308,19 @@ class FusePointwiseCheck(Check):
         longest = max(found, key=lambda c: len(c.ops))
         names = ", ".join(_base_name(op.name) for op in longest.ops[:8])
         evidence = (
-            f"{count(len(found), 'chain')} of ≥{MIN_RUN} consecutive elementwise ops took "
-            f"{busy / 1e3:.1f} ms of {obs.profiled_text(lambda s: f'{s * 1e3:.1f} ms')} "
-            f"({share:.0%}); "
+            f"chains of elementwise ops took {share:.0%} of the cell's time ({busy / 1e3:.1f} ms "
+            f"of {obs.profiled_text(lambda s: f'{s * 1e3:.1f} ms')})"
+        )
+        details = (
+            f"{count(len(found), 'chain')} of ≥{MIN_RUN} consecutive elementwise ops; "
             f"longest: {len(longest.ops)} ops ({names}{', …' if len(longest.ops) > 8 else ''})"
         )
         if targets:
-            evidence += "; issued by " + ", ".join(
+            details += "; issued by " + ", ".join(
                 f"{t.label} ({t.busy_us / 1e3:.1f} ms)" for t in targets
             )
         if unattributed:
-            evidence += f"; {unattributed / 1e3:.1f} ms from the cell's own top-level code"
+            details += f"; {unattributed / 1e3:.1f} ms from the cell's own top-level code"
         source = obs.workload.source
         fixed = _edited_source(source, targets)
         # a Hugging Face Trainer's model: compiled by the Trainer itself, from its arguments
@@ -340,6 +343,9 @@ class FusePointwiseCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,
+                    # a model's chains run in its forward; a function's, in the cell's code
+                    segment=FORWARD if any(t.module is not None for t in targets) else OTHER,
                     where=", ".join(t.label for t in targets) or "the cell's top-level code",
                     fixable=bool(targets),
                     caveat=(

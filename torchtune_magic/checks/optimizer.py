@@ -18,7 +18,8 @@ import torch
 
 from ..engine import codeedit, history
 from ..engine.fixes import Fix, Patcher
-from ..report import CodeChange
+from ..engine.time_split import OPTIMIZER
+from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -149,9 +150,10 @@ class FusedOptimizerCheck(Check):
         foreach = optimizer.param_groups[0].get("foreach")
         how = "the for-loop (foreach=False)" if foreach is False else "the default foreach"
         evidence = (
-            f"{cls} {name} stepped {steps} times with {how} implementation over {n_params} "
-            "parameter tensors; fused=True does the whole update in one kernel per dtype"
+            f"{cls} {name} stepped {count(steps, 'time')} with {how} implementation over "
+            f"{count(n_params, 'parameter tensor')}"
         )
+        details = "fused=True does the whole update in one kernel per dtype"
         source = obs.workload.source
         fixed = source
         fix: Fix | None = None
@@ -166,7 +168,7 @@ class FusedOptimizerCheck(Check):
                 )
                 fix = _SourceFused(line, cls)
             else:
-                evidence += "; not applied live: the cell builds it in a way this tool won't edit"
+                details += "; not applied live: the cell builds it in a way this tool won't edit"
         elif locations and all(loc.rebindable for loc in locations):
             schedulers = [
                 found.obj
@@ -177,7 +179,7 @@ class FusedOptimizerCheck(Check):
             fix = FusedOptimizerFix(optimizer, locations, schedulers)
             fix.seen = [(loc, optimizer) for loc in locations]
         else:
-            evidence += "; not applied live: no rebindable notebook name reaches it"
+            details += "; not applied live: no rebindable notebook name reaches it"
         earlier = None
         if id(optimizer) in obs.preexisting:
             earlier = _earlier_edit(obs, locations)
@@ -186,6 +188,8 @@ class FusedOptimizerCheck(Check):
         return Detection(
             self.finding(
                 evidence=evidence,
+                details=details,
+                segment=OPTIMIZER,
                 where=name,
                 fixable=fix is not None,
                 caveat=(

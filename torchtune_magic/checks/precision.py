@@ -26,7 +26,8 @@ from torch import nn
 from ..engine import codeedit, cpu, discovery, frameworks, history, lockstep
 from ..engine.fixes import Fix, Patcher, patched
 from ..engine.history import CallEdit
-from ..report import CodeChange
+from ..engine.time_split import FORWARD
+from ..report import CodeChange, count
 from . import autocast_edit
 from .base import Check, Detection
 
@@ -103,7 +104,7 @@ def _ops_text(obs: Observation) -> str:
     matmuls, convs = _op_counts(obs, MATMUL_OPS), _op_counts(obs, CONV_OPS)
     if not (matmuls or convs):
         return ""
-    return f"; the profiler saw {matmuls} matmul and {convs} convolution ops"
+    return f"; the profiler saw {matmuls} matmul and {count(convs, 'convolution op')}"
 
 
 def _forward_lines(obs: Observation, uses: list[ModuleUse]) -> set[int]:
@@ -295,23 +296,26 @@ class AmpCheck(Check):
         if scaled and any(codeedit.calls_named(obs.tree, set(autocast_edit.CLIP_CALLS))):
             blocked = "the cell clips gradients, which must be unscaled first (scaler.unscale_)"
         name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-        evidence = f"{_modules_text(uses)} ran in float32 with autocast off{_ops_text(obs)}"
+        evidence = f"{_modules_text(uses)} ran in float32 with autocast off"
+        details = f"{_modules_text(uses)} ran in float32{_ops_text(obs)}"
         if share is not None:
-            size = f", {per_call / 1e6:,.0f} MFLOP per call" if per_call is not None else ""
-            evidence += (
-                f"; matmuls and convolutions took {share:.0%} of the cell's time{size}; this "
-                f"CPU runs bf16 in hardware ({', '.join(cpu.bf16_features())} in its flags)"
+            evidence = (
+                f"float32 matmuls and convolutions took {share:.0%} of the cell's time, "
+                "with autocast off"
             )
-        evidence += f"; autocast would run them in {name}" + (
-            " with a GradScaler" if scaled else ""
-        )
+            size = f", {per_call / 1e6:,.0f} MFLOP per call" if per_call is not None else ""
+            details += (
+                f"{size}; this CPU runs bf16 in hardware "
+                f"({', '.join(cpu.bf16_features())} in its flags)"
+            )
+        details += f"; autocast would run them in {name}" + (" with a GradScaler" if scaled else "")
         change = amp_change(obs, uses, dtype)
         blocked = blocked or change.blocked
         if blocked:
-            evidence += f"; not applied live: {blocked}"
+            details += f"; not applied live: {blocked}"
         elif change.run is None and not change.models:
             blocked = "the models are built by the cell itself, out of a live fix's reach"
-            evidence += f"; not applied live: {blocked}"
+            details += f"; not applied live: {blocked}"
         fix = None
         if not blocked:
             fix = AmpFix(
@@ -331,6 +335,8 @@ class AmpCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,
+                    segment=FORWARD,  # autocast wraps the forward; the backward follows it
                     where=", ".join(names[:6]) + (" …" if len(names) > 6 else ""),
                     fixable=fix is not None,
                     line=change.line,
@@ -633,9 +639,10 @@ class TF32Check(Check):
         if not uses and not matmuls:
             return []
         seen = _modules_text(uses) + " ran in float32" if uses else "float32 matmuls ran"
-        evidence = (
-            f"{seen}; the profiler saw {matmuls} matmul ops; "
-            'torch.get_float32_matmul_precision() is "highest", so none uses TF32 tensor cores'
+        evidence = f"{count(matmuls, 'float32 matmul op')} ran without TF32 tensor cores"
+        details = (
+            f'{seen}; torch.get_float32_matmul_precision() is "highest", so none uses TF32 '
+            "tensor cores"
         )
         source = obs.workload.source
         setting = 'torch.set_float32_matmul_precision("high")'
@@ -644,6 +651,7 @@ class TF32Check(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,  # no segment: TF32 runs forward and backward matmuls
                     where=", ".join(sorted({obs.module_path(u.module) for u in uses}))
                     or "matmuls in the cell",
                     fixable=True,

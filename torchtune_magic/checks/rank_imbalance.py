@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
+from ..engine.time_split import DATA_WAIT
 from ..report import CodeChange
 from .base import Detection
 from .distributed import DistributedCheck
@@ -60,9 +61,12 @@ class RankImbalanceCheck(DistributedCheck):
             w.loader_s / w.steps for w in others
         )
         went = _where_it_went(extra, loader_extra)
+        loader = loader_extra >= LOADER_EXPLAINS * extra
         evidence = (
-            f"rank {slowest.rank}'s own work took {_ms(own)} a step against {_ms(typical)} on "
-            f"the other rank{'s' if len(others) > 1 else ''} ({own / typical:.2f}x), and "
+            f"rank {slowest.rank}'s own work took {own / typical:.2f}x the time of the other "
+            f"rank{'s' if len(others) > 1 else ''} a step ({_ms(own)} against {_ms(typical)})"
+        )
+        details = (
             f"{'they' if len(others) > 1 else 'it'} waited {waited:.0%} of the run in the "
             f"all-reduce for it; {went}"
         )
@@ -70,11 +74,12 @@ class RankImbalanceCheck(DistributedCheck):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,
+                    # its loader's wait, where that explains it; else forward and backward
+                    segment=DATA_WAIT if loader else None,
                     where=f"rank {slowest.rank}",
                     fixable=False,
-                    code_change=CodeChange(
-                        elsewhere=[_advice(slowest, loader_extra >= LOADER_EXPLAINS * extra)]
-                    ),
+                    code_change=CodeChange(elsewhere=[_advice(slowest, loader)]),
                 )
             )
         ]

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ..report import CodeChange
+from ..engine.time_split import OTHER
+from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -80,16 +81,19 @@ class HostSyncCheck(Check):
         ]
         evidence = (
             f"{total} host reads of {obs.device} tensors in one run, {total / steps:.1f} per "
-            f"step over {steps} steps: {'; '.join(parts)}"
+            f"step over {count(steps, 'step')}"
         )
+        details = "; ".join(parts)
         if profiled:
-            evidence += f" (profiler: {', '.join(profiled)})"
-        evidence += "; each one waits for every queued kernel to finish"
+            details += f" (profiler: {', '.join(profiled)})"
+        details += "; each one waits for every queued kernel to finish"
         lines = sorted({line for line, _ in repeated})
         return [
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details=details,
+                    segment=OTHER,  # the cell's own reads, between the parts the split times
                     where="cell line"
                     + ("s " if len(lines) > 1 else " ")
                     + ", ".join(map(str, lines)),

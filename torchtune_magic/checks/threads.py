@@ -32,7 +32,7 @@ import torch
 
 from ..engine import codeedit, cpu, load, lockstep
 from ..engine.fixes import Fix, Patcher
-from ..report import CodeChange
+from ..report import CodeChange, count
 from . import proxy
 from .base import Check, Detection
 from .loader import WAIT_SHARE
@@ -186,26 +186,29 @@ class ThreadsCheck(Check):
             return []
         origin, line = _threads_origin(obs, current)
         evidence = (
-            f"torch runs {current} intra-op thread{'s' if current > 1 else ''} ({origin}); "
+            f"torch runs {count(current, 'intra-op thread')} ({origin}); "
             f"this process may use {cores.count} ({cores.detail})"
         )
+        details = []
         if workers:
-            evidence += (
-                f"; {workers} DataLoader workers were busy loading (the cell waited on them) "
-                "while it computed"
+            details.append(
+                f"{count(workers, 'DataLoader worker')} {'was' if workers == 1 else 'were'} "
+                "busy loading (the cell waited on them) while it computed"
             )
         if others and obs.load is not None:
-            evidence += f"; {obs.load.describe()} during the probe's run"
+            details.append(f"{obs.load.describe()} during the probe's run")
         if current > wanted and (workers or others):
             beside = [f"{workers} busy workers"] if workers else []
             if others:
-                beside.append(f"{_cores(others)} of other processes' work")
-            evidence += f": {current} threads + {' + '.join(beside)} on {_cores(cores.count)}"
+                beside.append(f"{count(others, 'core')} of other processes' work")
+            details.append(
+                f"{current} threads + {' + '.join(beside)} on {count(cores.count, 'core')}"
+            )
         if current > wanted and workers:  # the trial cannot see busy workers
             chosen = wanted
         else:
             chosen, text = self._trial(obs, current, cores.count, wanted, loaded=others > 0)
-            evidence += f"; {text}"
+            details.append(text)
         source = obs.workload.source
         fixed, notes = codeedit.edited(source, lambda s: with_threads(s, chosen))
         if fixed == source and not notes:
@@ -221,6 +224,7 @@ class ThreadsCheck(Check):
             Detection(
                 self.finding(
                     evidence=evidence,
+                    details="; ".join(details),  # no segment: the threads run every part
                     where=f"cell line {line}" if line else "torch's thread pool (process-wide)",
                     fixable=True,
                     line=line,
@@ -257,10 +261,6 @@ class ThreadsCheck(Check):
         if loaded and during is not None:
             text += f" (during the trial {during.describe()})"
         return best.threads, text
-
-
-def _cores(count: int) -> str:
-    return f"{count} core{'s' if count != 1 else ''}"
 
 
 def _caveat(loaded: bool) -> str:

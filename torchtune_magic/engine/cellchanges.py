@@ -47,7 +47,8 @@ def cell_to_insert(
     earlier cells' statements that rebuild the loaders and optimizers the fixes change
     (the live fixes do not outlive the kernel; these lines carry the biggest wins).
     Returns the cell, those rebuilds, and (fix id, what to edit by hand) for changes a
-    statement cannot carry (a model's convs: rebuilding the model resets its weights)."""
+    statement cannot carry (a model's convs: rebuilding the model resets its weights; a
+    switch an earlier cell turned on)."""
     typed = history.as_typed(workload, suggested).splitlines(keepends=True)
     body = "".join(typed[next((i for i, t in enumerate(typed) if t.strip()), 0) :])
     edits = [(d.finding.id, edit) for d in chosen for edit in d.earlier]
@@ -56,8 +57,16 @@ def cell_to_insert(
         f"# from In[{r.execution_count}] with {', '.join(r.fixes)}:\n{r.text}\n" for r in rebuilt
     ]
     cell = "".join(head) + ("\n" if head else "") + body
-    by_hand = [(check, f"In[{edit.execution_count}] line {edit.line}") for check, edit in left]
-    return cell, rebuilt, by_hand
+    return cell, rebuilt, [(check, _by_hand(edit)) for check, edit in left]
+
+
+def _by_hand(edit: history.Edit) -> str:
+    """What an edit of an earlier cell that no inserted statement carries changes, and
+    where: `%perfcheck insert` says to make it in that cell."""
+    where = f"In[{edit.execution_count}] line {edit.line}"
+    if isinstance(edit, history.RemovedCall):
+        return f"removes the {edit.callee}(...) call at {where}, whose setting outlives the cell"
+    return f"changes a constructor inside an object built earlier ({where})"
 
 
 def attach_cell_changes(workload: Workload, detections: list[Detection]) -> None:

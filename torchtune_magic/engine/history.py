@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +137,60 @@ class CallEdit:
             dict(self.positional),
             self.col,
         )
+
+
+@dataclass(frozen=True)
+class RemovedCall:
+    """A call statement to remove from an earlier cell: a process-wide switch that cell
+    turned on and left on (`torch.autograd.set_detect_anomaly(True)`), found by the call's
+    position in the cell's run text. Nothing a statement re-run could carry."""
+
+    execution_count: int
+    line: int
+    col: int
+    callee: str  # the call's last name: "set_detect_anomaly"
+
+    def applied_to(self, text: str) -> str:
+        """The text without the statement (`pass` where it leaves a block empty)."""
+        try:
+            tree = ast.parse(text)
+        except SyntaxError as error:
+            raise codeedit.EditError(f"the cell does not parse: {error.msg}") from error
+        call = codeedit.call_at(tree, self.line, {self.callee}, self.col)
+        statement = codeedit.statement_of(tree, call) if call is not None else None
+        if statement is None:
+            return text
+        return codeedit.remove_statement(text, tree, statement)
+
+
+Edit = CallEdit | RemovedCall
+
+
+def switched_on(
+    notebook: Notebook | None, names: set[str], turns_on: Callable[[ast.Call], bool]
+) -> list[RemovedCall]:
+    """The statements of earlier cells that turned a process-wide switch on and left it on:
+    walking back from the newest cell (and up each cell), every call of `names` standing as
+    a statement of its own that turns it on (`turns_on`), until a call that turns it off
+    (the switch was off after that one). Calls inside a `def` or `class` are not followed:
+    they ran only if called. Only removals that can be made are returned."""
+    if notebook is None or notebook.inputs is None:
+        return []
+    found = []
+    for count, tree in notebook.earlier():
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        top = [s for s in tree.body if not isinstance(s, defs)]
+        ran = [n for n in _own_nodes(top) if isinstance(n, ast.Call) and _callee(n) in names]
+        for call in sorted(ran, key=lambda c: (c.lineno, c.col_offset), reverse=True):
+            if not turns_on(call):
+                return found
+            statement = codeedit.statement_of(tree, call)
+            if not (isinstance(statement, ast.Expr) and statement.value is call):
+                continue  # `with set_detect_anomaly(True):` ends with its block
+            removal = RemovedCall(count, call.lineno, call.col_offset, _callee(call))
+            if not codeedit.edited(notebook.inputs.cell(count)[1], removal.applied_to)[1]:
+                found.append(removal)
+    return found
 
 
 @dataclass
@@ -462,7 +516,7 @@ def _callee(call: ast.Call) -> str:
 
 
 def cell_changes(
-    workload: Workload, fixed_versions: list[str], edits: Sequence[CallEdit]
+    workload: Workload, fixed_versions: list[str], edits: Sequence[Edit]
 ) -> list[CellChange]:
     """The notebook cells to edit for these changes: each earlier cell once, with all its
     edits (by execution count), then the checked cell (execution count None) with every
@@ -507,15 +561,17 @@ class Rebuild:
 
 
 def rebuilds(
-    notebook: Notebook | None, edits: Sequence[tuple[str, CallEdit]]
-) -> tuple[list[Rebuild], list[tuple[str, CallEdit]]]:
+    notebook: Notebook | None, edits: Sequence[tuple[str, Edit]]
+) -> tuple[list[Rebuild], list[tuple[str, Edit]]]:
     """For edits of a top-level `name = Constructor(...)` statement (a loader, an
     optimizer): that statement edited, plus the cell's later assignments that use the name
     (a scheduler over the optimizer), so the object is rebuilt as the fixes want. Returns
     them, and the (fix id, edit) pairs a statement cannot carry (a conv inside a model:
     rebuilding the model would reset its weights)."""
-    carried = [(check, e) for check, e in edits if e.rebuilds and e.statement]
-    left = [(check, e) for check, e in edits if not (e.rebuilds and e.statement)]
+    carried = [
+        (check, e) for check, e in edits if isinstance(e, CallEdit) and e.rebuilds and e.statement
+    ]
+    left = [(check, e) for check, e in edits if (check, e) not in carried]
     if notebook is None or notebook.inputs is None:
         return [], list(edits)
     found = []
@@ -551,14 +607,14 @@ def _moved_spans(python: str, edited: str) -> dict[tuple[int, int], tuple[int, i
     return dict(zip(*spans, strict=False))
 
 
-def _by_cell(edits: Sequence[CallEdit]) -> dict[int, list[CallEdit]]:
-    cells: dict[int, list[CallEdit]] = {}
+def _by_cell(edits: Sequence[Edit]) -> dict[int, list[Edit]]:
+    cells: dict[int, list[Edit]] = {}
     for edit in dict.fromkeys(edits):
         cells.setdefault(edit.execution_count, []).append(edit)
     return cells
 
 
-def _edited(python: str, edits: list[CallEdit]) -> str:
+def _edited(python: str, edits: list[Edit]) -> str:
     """The cell's run text with every edit, the last call first (so that adding keywords
     to one call never moves another call's position)."""
     for edit in sorted(edits, key=lambda e: (e.line, e.col), reverse=True):

@@ -24,6 +24,7 @@ from ..engine import (
     timing,
 )
 from ..engine.workload import Workload, silenced
+from ..report import count
 
 
 @dataclass
@@ -237,7 +238,7 @@ class Runner:
         if changed:
             shapes = ", ".join(str(tuple(t.shape)) for t in changed[:3])
             self.warn(
-                f"a measuring run wrote {len(changed)} tensor(s) of shape {shapes} that the "
+                f"a measuring run wrote {count(len(changed), 'tensor')} of shape {shapes} that the "
                 "probe's run had left as they were, in a way torch does not see (through "
                 "`.data` or numpy), so the runs after it started from the changed values; "
                 "they are back as they were now"

@@ -8,7 +8,8 @@ from ..report import Finding, NotApplicable, OwnFailure, Report, Stats, Variant,
 
 SLOWER = "measured slower here — not recommended"
 NO_CLEAR_CHANGE = "no clear change"
-PROVISIONAL = "so far (provisional)"
+PROVISIONAL = "so far (still measuring)"
+NOT_COMPARED = "results not compared yet"
 FITS = "fits with this fix: it ran past where the cell ran out of memory"
 MEASURING = "measuring…"
 NO_GAIN = "checked: no gain here"
@@ -115,7 +116,7 @@ def per_step(report: Report) -> str:
 
 def speedup(report: Report, variant: Variant | None) -> str:
     """`1.54x (1.41x–1.66x over 9 rounds)`, `0.87x — measured slower here — not
-    recommended`, `1.01x — no clear change`, `1.3x so far (provisional)` while measuring,
+    recommended`, `1.01x — no clear change`, `1.3x so far (still measuring)` while measuring,
     `measuring…`, or why not measured; sampled runs add the whole cell, projected."""
     if variant is not None and variant.fits:
         return FITS
@@ -149,6 +150,21 @@ def speedup(report: Report, variant: Variant | None) -> str:
         measured_before(report, variant),
     ]
     return "; ".join([text, *(extra for extra in extras if extra)])
+
+
+def segment(report: Report, finding: Finding) -> str:
+    """The part of the time split the finding's fix acts on: `data wait (63% of the run)`,
+    `data wait` where the run was not split, or '' where the finding names none."""
+    name = dict(SPLIT_PARTS).get(finding.segment or "")
+    if name is None:
+        return ""
+    shares = dict(split_shares(report))
+    return f"{name} ({shares[name]:.0%} of the run)" if name in shares else name
+
+
+def checked_heading(outcome: str) -> str:
+    """`checked: slower here`: the heading of checks whose own trial measured this outcome."""
+    return f"checked: {outcome}"
 
 
 def by_reason(items: list[NotApplicable]) -> list[tuple[list[str], str]]:
@@ -277,6 +293,9 @@ def memory_change(report: Report, variant: Variant | None) -> str:
 
 
 def numerics(variant: Variant | None) -> str:
+    """`identical`, `close (max rel diff 3.27e-07)`, `changed (…)`; where the results were
+    not compared, why in words (`results not compared: the cell bound no tensors …`), or
+    that they are not yet."""
     if variant is None or variant.error:
         return ""
     n = variant.numerics
@@ -284,6 +303,9 @@ def numerics(variant: Variant | None) -> str:
         return f"changed (max rel diff {n.max_rel_diff:.2e})"
     if n.verdict == "close" and n.max_rel_diff is not None:
         return f"close (max rel diff {n.max_rel_diff:.2e})"
+    if n.verdict == "not-compared":
+        why = (n.detail or "").removeprefix("not compared: ")
+        return f"results not compared: {why}" if why else NOT_COMPARED
     return n.verdict
 
 

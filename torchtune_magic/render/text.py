@@ -1,7 +1,8 @@
 """Plain-text rendering: terminals, logs, the `text/plain` fallback.
 
 Reads like the view (labextension/src/view.ts): findings to act on first, then the checks
-that measured no gain, then the not-applicable checks under one heading.
+that measured no gain and those whose own trial measured their fix slower, then the
+not-applicable checks under one heading.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ def _finding(report: Report, index: int, finding: Finding) -> list[str]:
     applied = " (applied)" if finding.id in report.applied else ""
     lines = [f"{index}. [{finding.id}] {finding.title}{applied}"]
     lines.append(f"   evidence: {finding.evidence}")
+    if finding.details:
+        lines.append(f"   details:  {finding.details}")
+    acts_on = summary.segment(report, finding)
+    if acts_on:
+        lines.append(f"   acts on:  {acts_on}")
     lines.append(f"   where:    {finding.where}")
     if finding.fixable:
         lines.append(f"   fix:      {summary.speedup(report, variant)}")
@@ -61,7 +67,9 @@ def render(report: Report) -> str:
     lines.append("")
     act = [f for f in report.findings if not summary.no_gain(report, f)]
     no_gain = [f for f in report.findings if summary.no_gain(report, f)]
-    if not report.findings:
+    if not report.findings and report.checked:
+        lines.append("No findings to act on: what the checks measured is below.")
+    elif not report.findings:
         lines.append("No findings: nothing in this cell matches the tuning guide's checks.")
     for index, finding in enumerate(act, 1):
         lines.extend(_finding(report, index, finding))
@@ -71,6 +79,11 @@ def render(report: Report) -> str:
         for finding in no_gain:
             variant = summary.solo_variant(report, finding)
             lines.append(f"   [{finding.id}] {finding.title}: {summary.speedup(report, variant)}")
+    for outcome in dict.fromkeys(c.outcome for c in report.checked):
+        checked = [c for c in report.checked if c.outcome == outcome]
+        lines.append("")
+        lines.append(f"{summary.checked_heading(outcome)} ({len(checked)}):")
+        lines.extend(f"   [{c.id}] {c.title}: {c.evidence}" for c in checked)
     for variant in (v for v in report.latest_variants() if len(v.fixes) > 1):
         lines.append("")
         lines.append(

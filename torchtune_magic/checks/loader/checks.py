@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...engine import codeedit, cpu, frameworks, lockstep
-from ...report import CodeChange
+from ...engine.time_split import DATA_WAIT, OTHER
+from ...report import CodeChange, count
 from ..base import Check, Detection
 from .edits import class_names, non_blocking_edit, with_keywords
 from .fixes import PinMemoryFix, TrainerPinMemoryFix, TrainerWorkersFix, WorkersFix
@@ -102,9 +103,11 @@ class WorkersCheck(Check):
         loader = use.loader
         target = locate(obs, use)
         evidence = (
-            f"batches waited {use.wait_s:.2f} s of {obs.wall_s:.2f} s ({share:.0%}) over "
-            f"{use.batches} batches, loaded in the main process ({_ms(loading.per_batch_s)} "
-            "per batch timed without instrumentation)"
+            f"batches waited {share:.0%} of the run ({use.wait_s:.2f} s of {obs.wall_s:.2f} s)"
+        )
+        details = (
+            f"over {count(use.batches, 'batch', 'batches')}, loaded in the main process "
+            f"({_ms(loading.per_batch_s)} per batch timed without instrumentation)"
         )
         blocked = why_no_workers(loader)
         workers = None
@@ -114,20 +117,20 @@ class WorkersCheck(Check):
             plan = plan_for(loader, target.locations)
             seconds = obs.trial_time(TRIAL_BUDGET_S)
             workers, trials = pick_workers(plan, use, loading, cores.count, seconds)
-            evidence += (
+            details += (
                 f"; quick trial: {_trials_text(trials)}; {_cores_text(trials, loading, cores)}"
             )
             if workers is None:
                 blocked = "no worker count could load a batch in the trial"
             else:
                 startup = next(t.startup_s for t in trials if t.workers == workers)
-                evidence += f"; {workers} chosen (start-up {startup:.2f} s, once)"
+                details += f"; {workers} chosen (start-up {startup:.2f} s, once)"
         reason = target.unreachable or blocked
         shown_k = workers if workers is not None else min(2, cores.count)
         if target.trainer is not None:
             if plan is not None:
                 plan.close()  # the trial's loaders: the Trainer builds its own from its args
-            return self._trainer_detection(obs, target, evidence, workers, shown_k, reason)
+            return self._trainer_detection(obs, target, evidence, details, workers, shown_k, reason)
         values = {"num_workers": str(shown_k), "persistent_workers": "True"}
         source = obs.workload.source
         fixed = None
@@ -151,7 +154,7 @@ class WorkersCheck(Check):
             )
         fix = None
         if reason is not None:
-            evidence += f"; not applied live: {reason}"
+            details += f"; not applied live: {reason}"
         elif workers is not None:
             overrides = {"num_workers": workers, "persistent_workers": True}
             # a loader the cell builds itself is changed in the cell text, not swapped
@@ -162,6 +165,8 @@ class WorkersCheck(Check):
         return Detection(
             self.finding(
                 evidence=evidence,
+                details=details,
+                segment=DATA_WAIT,
                 where=where,
                 fixable=fix is not None,
                 line=use.built_line or (min(use.lines) if use.lines else None),
@@ -180,6 +185,7 @@ class WorkersCheck(Check):
         obs: Observation,
         target: Target,
         evidence: str,
+        details: str,
         workers: int | None,
         shown_k: int,
         reason: str | None,
@@ -190,7 +196,7 @@ class WorkersCheck(Check):
         assert owner is not None
         use = target.use
         values = {"dataloader_num_workers": str(shown_k), "dataloader_persistent_workers": "True"}
-        evidence += (
+        details += (
             f"; {owner.name} builds this loader on every call from its arguments, "
             f"{owner.args_class}(dataloader_num_workers={use.loader.num_workers})"
         )
@@ -198,7 +204,7 @@ class WorkersCheck(Check):
         elsewhere = [] if earlier else [f"{owner.name}'s arguments: {owner.call_text(values)}"]
         fix = None
         if reason is not None:
-            evidence += f"; not applied live: {reason}"
+            details += f"; not applied live: {reason}"
         elif workers is not None:
             overrides = {"dataloader_num_workers": workers, "dataloader_persistent_workers": True}
             fix = TrainerWorkersFix(overrides, frameworks.args_plan(owner))
@@ -206,6 +212,8 @@ class WorkersCheck(Check):
         return Detection(
             self.finding(
                 evidence=evidence,
+                details=details,
+                segment=DATA_WAIT,
                 where=where,
                 fixable=fix is not None,
                 line=min(use.lines) if use.lines else None,
@@ -262,18 +270,18 @@ class PinMemoryCheck(Check):
         if target.unreachable is None and not (notes and target.cell_call is not None):
             plan = None if target.cell_call is not None else plan_for(loader, target.locations)
             fix = PinMemoryFix({"pin_memory": True}, plan, cell_edit)
-        evidence = (
-            f"{use.device_copies} batch tensors from {use.batches} batches were copied to the "
-            f"GPU from pageable memory ({use.non_blocking_copies} with non_blocking=True)"
-        )
+        evidence = _pageable_text(use)
+        details = f"of them, {use.non_blocking_copies} with non_blocking=True"
         if target.unreachable is not None:
-            evidence += f"; not applied live: {target.unreachable}"
+            details += f"; not applied live: {target.unreachable}"
         where = target.name
         if copy_lines:
             where += f", copied at cell {lines_text(copy_lines)}"
         return Detection(
             self.finding(
                 evidence=evidence,
+                details=details,
+                segment=OTHER,  # the copies run in the cell's code, after the batch came
                 where=where,
                 fixable=fix is not None,
                 line=min(copy_lines) if copy_lines else use.built_line,
@@ -300,15 +308,15 @@ class PinMemoryCheck(Check):
             f"{owner.args_class}(..., accelerator_config={{'non_blocking': True}}) makes those "
             "copies non-blocking"
         )
-        evidence = (
-            f"{use.device_copies} batch tensors from {use.batches} batches were copied to the "
-            f"GPU from pageable memory ({use.non_blocking_copies} with non_blocking=True); "
-            f"{owner.name} builds this loader on every call from "
-            f"{owner.args_class}(dataloader_pin_memory=False)"
+        details = (
+            f"of them, {use.non_blocking_copies} with non_blocking=True; {owner.name} builds this "
+            f"loader on every call from {owner.args_class}(dataloader_pin_memory=False)"
         )
         return Detection(
             self.finding(
-                evidence=evidence,
+                evidence=_pageable_text(use),
+                details=details,
+                segment=OTHER,  # the Trainer copies each batch in its step, after it came
                 where=target.name,
                 fixable=True,
                 line=min(use.lines) if use.lines else None,
@@ -320,6 +328,15 @@ class PinMemoryCheck(Check):
             None,
             [earlier] if earlier else [],
         )
+
+
+def _pageable_text(use: LoaderUse) -> str:
+    """`24 batch tensors from 12 batches were copied to the GPU from pageable memory`."""
+    return (
+        f"{count(use.device_copies, 'batch tensor')} from "
+        f"{count(use.batches, 'batch', 'batches')} "
+        f"{'was' if use.device_copies == 1 else 'were'} copied to the GPU from pageable memory"
+    )
 
 
 def _where_iterated(target: Target) -> str:
