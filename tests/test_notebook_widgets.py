@@ -68,6 +68,9 @@ def test_perfcheck_cell_saves_panel_view_and_report(kernel_env: Path) -> None:
     views = [o for o in outputs if WIDGET_VIEW in o.get("data", {})]
     reports = [o for o in outputs if MIME_TYPE in o.get("data", {})]
     assert len(views) == 1 and len(reports) == 1
+    # the report right below the panel it stands in for once widgets are gone (a reopened
+    # notebook), above anything the cell printed: the order a reader saw live
+    assert outputs.index(reports[0]) == outputs.index(views[0]) + 1
     report = reports[0].data[MIME_TYPE]
     assert {"text/html", "text/plain"} <= set(reports[0].data)
     assert {f["id"] for f in report["findings"]} >= {"debug-anomaly", "zero-grad-none"}
@@ -113,10 +116,11 @@ def test_retime_click_updates_the_report_as_an_output_of_the_perfcheck_cell(
             for m in opened
             if "ttm-live-panel" in m["content"]["data"]["state"].get("_dom_classes", [])
         )
+        # the report fills the place held for it right below the panel
         report = next(
             m["content"]["data"][MIME_TYPE]
             for m in shown
-            if m["msg_type"] == "display_data" and MIME_TYPE in m["content"]["data"]
+            if m["msg_type"] == "update_display_data" and MIME_TYPE in m["content"]["data"]
         )
 
         # what the view's Re-time button sends (anywidget's model.send)

@@ -21,7 +21,8 @@ def test_html_escapes_everything_from_user_code():
 
 def test_html_has_a_before_after_chart_with_every_measured_variant():
     out = html.render(Report.from_dict(SAMPLE))
-    assert out.count("<rect") == 1 + len(SAMPLE["variants"])
+    # time: the baseline and every variant; peak memory: the baseline and the two it changed
+    assert out.count("<rect") == 1 + len(SAMPLE["variants"]) + 3
     assert "debug-anomaly+zero-grad-none" in out
 
 

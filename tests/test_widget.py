@@ -3,8 +3,10 @@ anywidget. The view sends commands as comm messages; the tests send the same mes
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -275,17 +277,27 @@ def test_measuring_shows_the_panel_at_once_and_close_closes_it(shell: Any) -> No
 
     with capture_output() as output:
         panel = Panel.measuring(shell, "abc123")
-    assert len(output.outputs) == 1
-    data = output.outputs[0].data
-    assert "application/vnd.jupyter.widget-view+json" in data
+    widget, report_place = output.outputs
+    assert "application/vnd.jupyter.widget-view+json" in widget.data
     # what a front end that will not render widgets shows (and the labextension hides)
-    assert data["text/plain"] == "torchtune-magic live panel (run abc123)"
+    assert widget.data["text/plain"] == "torchtune-magic live panel (run abc123)"
+    # the saved report's place, held right below the panel (so what the cell prints comes
+    # after both, live and after a reload): empty until the findings are in
+    assert report_place.data == {} and not report_place.update
+    assert report_place.transient == {"display_id": "ttm-report-abc123"}
     assert "ttm-run-abc123" in panel.widget._dom_classes
     assert panel.widget.busy and not panel.widget.attached
     assert panel.widget.report is None  # the view says "running the cell, then measuring…"
     panel.progress(0.5, "round 3 of 6: debug-anomaly")
     assert panel.widget.progress == 0.5
     assert panel.widget.progress_message == "round 3 of 6: debug-anomaly"
+
+    report = json.loads((Path(__file__).parent / "data" / "sample_report.json").read_text())
+    with capture_output() as output:
+        panel.update(Report.from_dict({**report, "run_id": "abc123"}))
+    (filled,) = output.outputs  # the findings fill the place held for them
+    assert filled.update and filled.transient == {"display_id": "ttm-report-abc123"}
+    assert MIME_TYPE in filled.data
 
     panel.close()
     assert panel.widget.comm is None

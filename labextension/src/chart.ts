@@ -6,6 +6,7 @@
 import { s } from './dom';
 import { formatBytes, formatSeconds } from './format';
 import { IReport, IVariant, isCurrent, isSlower, isWin, latestVariants, variantLabel } from './report';
+import { memory } from './wording';
 
 type BarKind = 'baseline' | 'better' | 'worse' | 'same';
 
@@ -25,12 +26,10 @@ const GROUP_GAP = 12;
 // labels are right-aligned before the bars: at 12px this many characters fit the width
 const MAX_LABEL_CHARS = 30;
 
-/** Peak memory is one figure per run: less is better, more is worse. */
-function memoryKind(value: number, baseline: number): BarKind {
-  if (value < baseline) {
-    return 'better';
-  }
-  return value > baseline ? 'worse' : 'same';
+/** A memory bar's colour is its badge's verdict: less memory good, more bad, else neutral. */
+function memoryKind(report: IReport, variant: IVariant): BarKind {
+  const tone = memory(report, variant)?.tone;
+  return tone === 'good' ? 'better' : tone === 'bad' ? 'worse' : 'same';
 }
 
 /** A bar's colour follows the verdict of its paired rounds, not which bar is shorter. */
@@ -77,7 +76,7 @@ function memoryBars(report: IReport): IBar[] {
     ...changed.map(v => ({
       label: variantLabel(report, v),
       value: v.peak_memory_bytes as number,
-      kind: memoryKind(v.peak_memory_bytes as number, baseline)
+      kind: memoryKind(report, v)
     }))
   ];
 }

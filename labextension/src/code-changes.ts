@@ -4,7 +4,7 @@
  * block copyable, and "Apply to notebook" where the labextension can edit cells.
  */
 
-import { copyText, h } from './dom';
+import { copyText, h, prose } from './dom';
 import { APPLY_EVENT, canApplyToNotebook, requestApply } from './notebook-event';
 import { ICellChange, IFinding, IReport } from './report';
 import { editsScope } from './wording';
@@ -86,7 +86,7 @@ function elsewhereBlock(items: string[]): HTMLElement {
       h('span', { text: 'Where the objects are created' }),
       copyButton(items.join('\n'), 'Copy', 'these changes')
     ),
-    h('ul', { className: 'ttm-elsewhere' }, ...items.map(item => h('li', {}, h('code', { text: item }))))
+    h('ul', { className: 'ttm-elsewhere' }, ...items.map(item => h('li', {}, h('code', {}, ...prose(item)))))
   );
 }
 
@@ -96,13 +96,13 @@ function elsewhereBlock(items: string[]): HTMLElement {
  */
 function applyControl(fixes: string[], cells: ICellChange[], label: string): HTMLElement {
   if (!canApplyToNotebook()) {
-    return h('div', { className: 'ttm-note ttm-no-notebook-edits', text: NO_NOTEBOOK_EDITS });
+    return h('div', { className: 'ttm-note ttm-no-notebook-edits' }, ...prose(NO_NOTEBOOK_EDITS));
   }
   const outcome = h('span', { className: 'ttm-apply-outcome', attrs: { role: 'status' } });
   const button = h('button', {
     className: 'ttm-button ttm-apply-notebook',
     text: label,
-    title: `Edit ${cells.map(cellName).join(' and ')} in place, after showing the change (one undo restores them)`,
+    title: `Edit ${cells.map(cellName).join(' and ')} in place, after showing the change (one undo restores ${cells.length === 1 ? 'it' : 'them'})`,
     attrs: { type: 'button', 'data-event': APPLY_EVENT }
   });
   button.addEventListener('click', () => {
@@ -126,7 +126,7 @@ function findingChange(finding: IFinding): HTMLElement {
   return h(
     'div',
     { className: 'ttm-code-change', attrs: { 'data-finding': finding.id } },
-    h('div', { className: 'ttm-code-title' }, h('code', { text: finding.id }), ` ${finding.title}`),
+    h('div', { className: 'ttm-code-title' }, h('code', { text: finding.id }), ' ', ...prose(finding.title)),
     ...cells.map(cellBlock),
     cells.length === 0 && change.diff !== '' && diffBlock(change.diff),
     change.elsewhere.length > 0 && elsewhereBlock(change.elsewhere),
@@ -170,7 +170,7 @@ export function renderCodeChanges(
       h(
         'div',
         { className: 'ttm-notebook-edits' },
-        h('div', { className: 'ttm-code-intro', text: `To make ${scope} permanent, edit ${edits.cells.map(cellName).join(' and ')}:` }),
+        h('div', { className: 'ttm-code-intro' }, ...prose(`To make ${scope} permanent, edit ${edits.cells.map(cellName).join(' and ')}:`)),
         applyControl(edits.fixes, edits.cells, 'Apply to notebook'),
         ...edits.cells.map(cellBlock)
       )

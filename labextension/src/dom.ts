@@ -10,7 +10,7 @@ export interface IElementOptions {
   attrs?: Record<string, string>;
 }
 
-type Child = Node | string | null | undefined | false;
+export type Child = Node | string | null | undefined | false;
 
 function apply(node: Element, options: IElementOptions, children: Child[]): void {
   if (options.className) {
@@ -43,6 +43,40 @@ export function h<K extends keyof HTMLElementTagNameMap>(
     node.title = options.title;
   }
   return node;
+}
+
+/** A `code` span in report prose (the text view shows the backticks, this view does not). */
+const CODE_SPAN = /`([^`]+)`/g;
+/** An option as the user types it (`--budget 90`, `--no-finish`): never broken inside. */
+const OPTION = /--[a-z][a-z-]*(?: \d+(?:\.\d+)?)?/g;
+
+/** Plain text with each option kept on one line; a stray backtick is dropped. */
+function unbroken(text: string): Child[] {
+  const plain = text.replace(/`/g, '');
+  const children: Child[] = [];
+  let last = 0;
+  for (const match of plain.matchAll(OPTION)) {
+    children.push(plain.slice(last, match.index), h('span', { className: 'ttm-nowrap', text: match[0] }));
+    last = (match.index ?? 0) + match[0].length;
+  }
+  children.push(plain.slice(last));
+  return children.filter(child => child !== '');
+}
+
+/**
+ * Report prose as children for `h`: each `code` span becomes a <code> element (never a
+ * literal backtick on screen), and an option such as --budget 90 never breaks inside.
+ * Text nodes only: nothing is parsed as HTML.
+ */
+export function prose(text: string): Child[] {
+  const children: Child[] = [];
+  let last = 0;
+  for (const match of text.matchAll(CODE_SPAN)) {
+    children.push(...unbroken(text.slice(last, match.index)), h('code', { className: 'ttm-code', text: match[1] }));
+    last = (match.index ?? 0) + match[0].length;
+  }
+  children.push(...unbroken(text.slice(last)));
+  return children;
 }
 
 const SVG_NS = 'http://www.w3.org/2000/svg';

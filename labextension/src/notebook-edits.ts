@@ -76,12 +76,19 @@ function resolve(panel: NotebookPanel, checked: Cell | null, changes: ICellChang
   return resolved;
 }
 
+/** What the dialog says will change, for one cell or several. */
+function restoresAll(cells: number): string {
+  return cells === 1
+    ? 'this cell changes as shown. One notebook undo (Z, or Ctrl/Cmd+Z, in command mode) restores it.'
+    : 'these cells change as shown. One notebook undo (Z, or Ctrl/Cmd+Z, in command mode) restores them all.';
+}
+
 /** The dialog's body: what each cell will become, as diffs. */
 function preview(changes: ICellChange[], fixes: string[]): Widget {
   const node = h(
     'div',
     { className: 'ttm-report ttm-apply-preview' },
-    h('p', { text: `For ${fixes.join(', ')}: these cells change as shown. One notebook undo (Z, or Ctrl/Cmd+Z, in command mode) restores them all.` }),
+    h('p', { text: `For ${fixes.join(', ')}: ${restoresAll(changes.length)}` }),
     ...changes.map(change => h('div', { className: 'ttm-code-block' }, h('div', { className: 'ttm-code-caption', text: cellName(change) }), renderDiff(change.diff)))
   );
   return new Widget({ node });
@@ -130,7 +137,8 @@ export async function applyToNotebook(
   notebook.mode = 'command';
   notebook.activate();
   const names = again.map(r => cellName(r.change)).join(' and ');
-  return { ok: true, message: `Edited ${names}. One notebook undo (Z or Ctrl/Cmd+Z in command mode) restores them.` };
+  const them = again.length === 1 ? 'it' : 'them';
+  return { ok: true, message: `Edited ${names}. One notebook undo (Z or Ctrl/Cmd+Z in command mode) restores ${them}.` };
 }
 
 function panelHolding(tracker: INotebookTracker, node: Node): NotebookPanel | null {

@@ -76,10 +76,18 @@ export interface INotebookEdits {
   cells: ICellChange[];
 }
 
+/** A part of the time split (`IReport.time_split`): what a finding's fix acts on. */
+export type Segment = 'data_wait' | 'forward' | 'backward' | 'optimizer' | 'other';
+
 export interface IFinding {
   id: string;
   title: string;
+  /** One sentence with the key figure; the rest is in `details`. */
   evidence: string;
+  /** What else the check saw (trials, per-batch figures), folded away (optional). */
+  details?: string | null;
+  /** The part of the time split the fix acts on (optional). */
+  segment?: Segment | null;
   where: string;
   fixable: boolean;
   guide: string;
@@ -158,6 +166,17 @@ export interface IOwnFailure {
   traceback?: string;
 }
 
+/**
+ * A check whose own trial settled it here without a finding: e.g. "slower here", the fix
+ * measured slower by the check itself (channels-last's per-conv timing).
+ */
+export interface IChecked {
+  id: string;
+  title: string;
+  outcome: string;
+  evidence: string;
+}
+
 export interface INotApplicable {
   id: string;
   reason: string;
@@ -200,6 +219,7 @@ export interface IReport {
   findings: IFinding[];
   variants: IVariant[];
   not_applicable?: INotApplicable[];
+  checked?: IChecked[];
   applied?: string[];
   warnings?: string[];
   budget_s?: number | null;
@@ -244,7 +264,7 @@ export function parseReport(data: unknown): IReport {
       throw new Error(`"${key}" is missing or not a list of objects`);
     }
   }
-  for (const key of ['not_applicable', 'warnings', 'applied', 'failures']) {
+  for (const key of ['not_applicable', 'checked', 'warnings', 'applied', 'failures']) {
     if (data[key] !== undefined && !Array.isArray(data[key])) {
       throw new Error(`"${key}" is not a list`);
     }

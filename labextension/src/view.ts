@@ -9,9 +9,10 @@
 
 import { renderChart, renderLossCurves } from './chart';
 import { renderCodeChanges } from './code-changes';
-import { h } from './dom';
+import { Child, h, prose } from './dom';
 import { formatBytes, formatSeconds } from './format';
 import {
+  IChecked,
   IFinding,
   IReport,
   IVariant,
@@ -124,28 +125,23 @@ function renderHeader(report: IReport, live?: ILive): HTMLElement {
   const list = h('dl', { className: 'ttm-summary' });
   for (const [term, value, title] of items) {
     list.appendChild(h('dt', { text: term }));
-    const dd = h('dd', { title });
-    if (typeof value === 'string') {
-      dd.textContent = value;
-    } else {
-      value.forEach(node => dd.appendChild(node));
-    }
-    list.appendChild(dd);
+    list.appendChild(h('dd', { title }, ...(typeof value === 'string' ? prose(value) : value)));
   }
   const status = [words.phase(report), words.oom(report)].filter(Boolean);
   return h(
     'header',
     { className: 'ttm-header' },
     h('h3', { text: '%%perfcheck report' }),
-    ...status.map(line => h('div', { className: `ttm-status ttm-phase-${report.phase ?? 'done'}`, text: line })),
-    live && renderProgress(live.state),
     renderTimeSplit(report),
+    ...status.map(line => h('div', { className: `ttm-status ttm-phase-${report.phase ?? 'done'}` }, ...prose(line))),
+    live && renderProgress(live.state),
     list,
     flopsBreakdown(report)
   );
 }
 
-/** Where the time went, first: a stacked bar (each part's width its share) and its line. */
+/** Where the time went, first under the title: a stacked bar (each part's width its share)
+ * and its line. */
 function renderTimeSplit(report: IReport): HTMLElement | null {
   const shares = words.splitShares(report);
   if (shares.length === 0) {
@@ -195,7 +191,7 @@ function speedupCell(report: IReport, finding: IFinding, variant: IVariant | und
   }
   const earlier = variant ? earlierMeasurements(report, variant) : [];
   const worded = words.speedup(report, variant);
-  cell.appendChild(h('span', { className: `ttm-speedup-text ${toneClass(worded.tone)}`, text: worded.text }));
+  cell.appendChild(h('span', { className: `ttm-speedup-text ${toneClass(worded.tone)}` }, ...prose(worded.text)));
   if (variant?.noisy) {
     cell.appendChild(noisyBadge());
   }
@@ -236,7 +232,7 @@ function numericsBadge(variant: IVariant): HTMLElement {
   const { verdict, max_rel_diff, detail } = variant.numerics;
   const parts = [max_rel_diff !== null ? `max relative difference ${max_rel_diff.toExponential(2)}` : '', detail ?? ''];
   const title = parts.filter(Boolean).join('; ') || undefined;
-  return badge(verdict, `ttm-verdict ttm-verdict-${verdict}`, title);
+  return badge(words.results(variant.numerics), `ttm-verdict ttm-verdict-${verdict}`, title);
 }
 
 /** A training cell's loss against the baseline's, the two curves drawn where they differ. */
@@ -276,7 +272,7 @@ function rowMessage(message: IRowMessage | undefined): HTMLElement | null {
   }
   const box = liveOnly('div', `ttm-row-message ttm-row-${message.kind}`);
   box.setAttribute('role', 'alert');
-  box.appendChild(h('span', { text: message.text }));
+  box.appendChild(h('span', {}, ...prose(message.text)));
   if (message.rerun) {
     box.appendChild(h('div', { className: 'ttm-rerun', text: RERUN_HINT }));
   }
@@ -295,16 +291,47 @@ function findingRow(report: IReport, finding: IFinding, live?: ILive): HTMLEleme
       live && finding.fixable && toggleControl(finding, applied, live),
       h('code', { className: 'ttm-finding-id', text: finding.id }),
       applied && badge('applied', 'ttm-badge-applied', 'This fix is applied to the live objects'),
-      h('div', { className: 'ttm-finding-title', text: finding.title }),
-      finding.guide && h('div', { className: 'ttm-note', text: `Guide: ${finding.guide}` }),
-      finding.caveat ? h('div', { className: 'ttm-note ttm-caveat', text: `Caveat: ${finding.caveat}` }) : null,
+      h('div', { className: 'ttm-finding-title' }, ...prose(finding.title)),
+      finding.guide && h('div', { className: 'ttm-note' }, 'Guide: ', ...prose(finding.guide)),
+      finding.caveat && h('div', { className: 'ttm-note ttm-caveat' }, 'Caveat: ', ...prose(finding.caveat)),
       live && rowMessage(live.state.messages[finding.id])
     ),
-    h('td', { className: 'ttm-evidence', text: finding.evidence }),
-    h('td', { className: 'ttm-where', text: finding.where }),
+    evidenceCell(report, finding),
+    h('td', { className: 'ttm-where' }, ...prose(finding.where)),
     speedupCell(report, finding, variant),
     memoryCell(report, variant),
     numericsCell(variant)
+  );
+}
+
+/** The part of the time split a fix acts on: a chip in that part's colour, with its share. */
+function segmentChip(report: IReport, finding: IFinding): HTMLElement | null {
+  if (!finding.segment) {
+    return null;
+  }
+  const worded = words.segment(report, finding.segment);
+  return h(
+    'div',
+    { className: 'ttm-segment', title: worded.title, attrs: { 'data-segment': finding.segment } },
+    h('span', { className: `ttm-segment-swatch ttm-split-${finding.segment}` }),
+    worded.text
+  );
+}
+
+/** One sentence with its key figure first; what else the check saw folds out. */
+function evidenceCell(report: IReport, finding: IFinding): HTMLElement {
+  return h(
+    'td',
+    { className: 'ttm-evidence' },
+    segmentChip(report, finding),
+    h('div', { className: 'ttm-evidence-lead' }, ...prose(finding.evidence)),
+    finding.details &&
+      h(
+        'details',
+        { className: 'ttm-details', attrs: { 'data-ttm-key': `details-${finding.id}` } },
+        h('summary', { text: 'details' }),
+        h('div', { className: 'ttm-details-text' }, ...prose(finding.details))
+      )
   );
 }
 
@@ -340,7 +367,36 @@ function renderFindings(report: IReport, live?: ILive): HTMLElement[] {
       )
     );
   }
-  return sections;
+  return [...sections, ...renderChecked(report)];
+}
+
+/** Checks whose own trial settled them here ("checked: slower here"), one group per outcome. */
+function renderChecked(report: IReport): HTMLElement[] {
+  const groups = new Map<string, IChecked[]>();
+  for (const item of report.checked ?? []) {
+    groups.set(item.outcome, [...(groups.get(item.outcome) ?? []), item]);
+  }
+  return Array.from(groups, ([outcome, items]) =>
+    h(
+      'details',
+      { className: 'ttm-section ttm-checked', attrs: { 'data-ttm-key': `checked-${outcome}`, 'data-outcome': outcome } },
+      h('summary', { text: `checked: ${outcome} (${items.length})` }),
+      h(
+        'ul',
+        {},
+        ...items.map(item =>
+          h(
+            'li',
+            { attrs: { 'data-check': item.id } },
+            h('code', { className: 'ttm-finding-id', text: item.id }),
+            ' ',
+            h('span', { className: 'ttm-finding-title' }, ...prose(item.title)),
+            h('div', { className: 'ttm-checked-evidence' }, ...prose(item.evidence))
+          )
+        )
+      )
+    )
+  );
 }
 
 function renderTogether(report: IReport): HTMLElement[] {
@@ -355,12 +411,12 @@ function renderTogether(report: IReport): HTMLElement[] {
         'p',
         { className: 'ttm-combined' },
         `${words.combinedLabel(report, v)}: `,
-        h('span', { className: `ttm-speedup-text ${toneClass(worded.tone)}`, text: worded.text }),
+        h('span', { className: `ttm-speedup-text ${toneClass(worded.tone)}` }, ...prose(worded.text)),
         v.noisy && noisyBadge(),
         memory && badge(memory.text, `ttm-badge-memory ${toneClass(memory.tone)}`, memory.title),
         v.error === null && v.speedup !== null && numericsBadge(v),
         throughputBadge(v, report),
-        extras.length > 0 && h('span', { className: 'ttm-note', text: ` · ${extras.join(' · ')}` }),
+        extras.length > 0 && h('span', { className: 'ttm-note' }, ...prose(` · ${extras.join(' · ')}`)),
         earlier && h('span', { className: 'ttm-note ttm-earlier', text: ` · ${earlier}` })
       );
     });
@@ -389,7 +445,7 @@ function renderActions(report: IReport, live: ILive): HTMLElement | null {
     );
   }
   if (live.state.notice) {
-    box.appendChild(h('div', { className: 'ttm-notice', text: live.state.notice, attrs: { role: 'alert' } }));
+    box.appendChild(h('div', { className: 'ttm-notice', attrs: { role: 'alert' } }, ...prose(live.state.notice)));
   }
   return box.childElementCount > 0 ? box : null;
 }
@@ -403,7 +459,13 @@ function renderNotApplicable(report: IReport): HTMLElement | null {
     'details',
     { className: 'ttm-section ttm-not-applicable', attrs: { 'data-ttm-key': 'not-applicable' } },
     h('summary', { text: `Not applicable here (${items.length})` }),
-    h('ul', {}, ...items.map(na => h('li', {}, h('code', { text: na.id }), `: ${na.reason}`)))
+    h(
+      'ul',
+      {},
+      ...words.byReason(items).map(([ids, reason]) =>
+        h('li', {}, ...ids.flatMap((id, i): Child[] => [i > 0 && ', ', h('code', { text: id })]), ' — ', ...prose(reason))
+      )
+    )
   );
 }
 
@@ -420,7 +482,7 @@ function renderOwnFailures(report: IReport): HTMLElement | null {
       'ul',
       {},
       ...items.map(f =>
-        h('li', {}, h('details', {}, h('summary', { text: words.ownFailureLine(f) }), h('pre', { text: f.traceback ?? '' })))
+        h('li', {}, h('details', {}, h('summary', {}, ...prose(words.ownFailureLine(f))), h('pre', { text: f.traceback ?? '' })))
       )
     )
   );
@@ -431,7 +493,7 @@ function renderWarnings(report: IReport): HTMLElement | null {
   if (items.length === 0) {
     return null;
   }
-  return h('section', { className: 'ttm-section ttm-warnings' }, h('h4', { text: 'Warnings' }), h('ul', {}, ...items.map(w => h('li', { text: w }))));
+  return h('section', { className: 'ttm-section ttm-warnings' }, h('h4', { text: 'Warnings' }), h('ul', {}, ...items.map(w => h('li', {}, ...prose(w)))));
 }
 
 /**

@@ -5,8 +5,11 @@
 
 import { formatBytes, formatExponent, formatFactor, formatGeneral, formatSeconds } from './format';
 import {
+  INotApplicable,
+  INumerics,
   IOwnFailure,
   IReport,
+  Segment,
   IVariant,
   isMeasuring,
   isRecommendedSet,
@@ -18,7 +21,8 @@ import {
 export const MEASURING = 'measuring…';
 export const SLOWER = 'measured slower here — not recommended';
 export const NO_CLEAR_CHANGE = 'no clear change';
-export const PROVISIONAL = 'so far (provisional)';
+export const PROVISIONAL = 'so far (still measuring)';
+export const NOT_COMPARED = 'results not compared yet';
 /** Other processes' busy CPUs worth a line in the report (summary.BUSY_CPUS). */
 const BUSY_CPUS = 0.25;
 /** ... over a measuring window at least this long (summary.LOAD_WINDOW_MIN_S). */
@@ -114,7 +118,7 @@ export function tooSmall(atMost: number): string {
 /**
  * What a fix measured: `1.54× faster (1.41×–1.66× over 9 rounds)`, `0.87× (…) — measured
  * slower here — not recommended` (only when the whole interval is below 1), `1.01× (…) — no
- * clear change`, `1.3× so far (provisional)` while measuring, `failed: …`, `measuring…`,
+ * clear change`, `1.3× so far (still measuring)` while measuring, `failed: …`, `measuring…`,
  * `not measured: not enough time to tell; …` or `not measured`.
  */
 export function speedup(report: IReport, variant: IVariant | undefined): IWorded {
@@ -491,4 +495,45 @@ export function splitLine(report: IReport): string {
   }
   const parts = shares.map(([, name, share]) => `${name} ${Math.round(share * 100)}%`);
   return `where the time went (the baseline's first run): ${parts.join(' · ')}`;
+}
+
+/**
+ * The part of the time split a finding's fix acts on, as its chip reads (`data wait 63%`,
+ * the name alone where the report has no split), with a title saying what it is.
+ */
+export function segment(report: IReport, part: Segment): IWorded {
+  const name = SPLIT_PARTS.find(([key]) => key === part)?.[1] ?? part.replace('_', ' ');
+  const split = report.time_split;
+  const total = split ? Object.values(split).reduce((sum, value) => sum + value, 0) : 0;
+  if (!split || !(total > 0)) {
+    return { text: name, tone: 'neutral', title: `this fix acts on the ${name}` };
+  }
+  const share = (split[part] ?? 0) / total;
+  const percent = share > 0 && share < 0.005 ? '<1%' : `${Math.round(share * 100)}%`;
+  return {
+    text: `${name} ${percent}`,
+    tone: 'neutral',
+    title: `this fix acts on the ${name}: ${percent} of the time in the baseline's first run`
+  };
+}
+
+/**
+ * Whether a fix left the cell's results the same, in plain words (summary.numerics):
+ * `identical`, `close`, `changed`, `results not compared` (why, in the badge's title) or
+ * `results not compared yet`.
+ */
+export function results(numerics: INumerics): string {
+  if (numerics.verdict !== 'not-compared') {
+    return numerics.verdict;
+  }
+  return numerics.detail ? 'results not compared' : NOT_COMPARED;
+}
+
+/** The not-applicable checks, those with one reason together, in first-seen order (summary.by_reason). */
+export function byReason(items: INotApplicable[]): [string[], string][] {
+  const grouped = new Map<string, string[]>();
+  for (const item of items) {
+    grouped.set(item.reason, [...(grouped.get(item.reason) ?? []), item.id]);
+  }
+  return Array.from(grouped, ([reason, ids]): [string[], string] => [ids, reason]);
 }

@@ -53,3 +53,38 @@ def panel_of_report(run_id: str, source: str = "sample_report.json", edit: str =
     """A cell that shows the live panel (the real anywidget, no session) of a sample
     report, and the saved report of the same run, as `%%perfcheck` does."""
     return PANEL_OF_REPORT.format(run_id=run_id, source=source, edit=edit)
+
+
+# A report with the issue-31 fields (the time split, each finding's part of it, one sentence
+# of evidence with its details folded, a check its own trial found slower), prose with
+# `code` spans and an option, a fix with more peak memory and a fix set with the same, and
+# the not-applicable checks of a CPU run under two reasons.
+AT_A_GLANCE = """\
+report["time_split"] = {"data_wait": 2.1, "forward": 0.47, "backward": 0.5, "optimizer": 0.1,
+                        "other": 0.16}
+anomaly, zero_grad, conv = report["findings"]
+anomaly.update(
+    segment="backward",
+    evidence="anomaly mode checked 40 of 40 backward passes (`set_detect_anomaly(True)` at "
+    "line 1)",
+    details="a trial without it took 0.27 s\\nper batch: 6.8 ms → 4.4 ms",
+)
+zero_grad.update(segment="optimizer")
+conv.update(segment="forward")
+base = report["baseline"]["peak_memory_bytes"]
+report["variants"][1].update(speedup=1.01, verdict="no clear change", budget_to_tell_s=90.0,
+                             peak_memory_bytes=int(base * 1.3))  # more memory
+report["variants"][2].update(peak_memory_bytes=base + 1000,  # the same memory
+                             numerics={"verdict": "not-compared", "max_rel_diff": None})
+report["checked"] = [{
+    "id": "channels-last", "title": "Convolutions run in the default memory format",
+    "outcome": "slower here",
+    "evidence": "slower in channels_last here: model.2.0 (0.66 ms → 10.39 ms, 15.75x the time)",
+}]
+cuda = "not applicable on CPU: this only matters for work on a CUDA device"
+alone = "not a distributed run (torch.distributed is not initialised)"
+report["not_applicable"] = [
+    *({"id": i, "reason": cuda} for i in ("pin-memory", "tf32", "cudnn-benchmark")),
+    *({"id": i, "reason": alone} for i in ("ddp-no-sync", "rank-imbalance")),
+]
+"""

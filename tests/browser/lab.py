@@ -34,6 +34,12 @@ VIEW_TEXT = """node => {
   copy.querySelectorAll('.ttm-live-only').forEach(n => n.remove());
   return copy.textContent.replace(/\\s+/g, ' ').trim();
 }"""
+# What no view of the report may show: markdown's backticks, "(s)" plurals, internal words;
+# and the view's whole text, every folded part opened.
+RAW_TEXT = re.compile(r"`|\(s\)|not-compared|provisional")
+ALL_TEXT = (
+    "v => { v.querySelectorAll('details').forEach(d => (d.open = true)); return v.textContent; }"
+)
 TOGGLE_COMMAND = "torchtune-magic:toggle-perfcheck"
 TOGGLE_SHORTCUT = "Control+Shift+Y"
 NOT_RUN_PROMPT = re.compile(r"^\[\s*\]:$")

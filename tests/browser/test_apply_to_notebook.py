@@ -151,8 +151,9 @@ def test_without_the_labextension_the_view_says_how_to_make_the_change(
     expect(edits.get_by_role("button", name="Apply to notebook")).to_have_count(0)
     expect(edits.locator(".ttm-no-notebook-edits")).to_have_text(
         "Apply to notebook needs JupyterLab or Notebook 7 with the torchtune-magic extension; "
-        "here, copy the cells below, or run `%perfcheck insert` in a cell."
+        "here, copy the cells below, or run %perfcheck insert in a cell."
     )
+    expect(edits.locator(".ttm-no-notebook-edits code")).to_have_text("%perfcheck insert")
     expect(edits.get_by_role("button", name="Copy cell")).to_have_count(1)
 
 
@@ -213,7 +214,9 @@ def test_apply_to_notebook_keeps_the_comments_after_each_loader_argument(
     expect(edits.locator(".ttm-code-block .ttm-code-caption span")).to_have_text(["In[3]"])
     edits.get_by_role("button", name="Apply to notebook").click()
     lab.page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept").click()
-    expect(edits.locator(".ttm-apply-outcome")).to_contain_text("Edited In[3]")
+    expect(edits.locator(".ttm-apply-outcome")).to_have_text(
+        "Edited In[3]. One notebook undo (Z or Ctrl/Cmd+Z in command mode) restores it."
+    )
 
     after = lab.source(2)
     ast.parse(after)  # the edited cell parses

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from playwright.sync_api import expect
 
-from .cells import live_panel_and_report, panel_of_report
-from .lab import REPORT_MIME, Lab
+from .cells import AT_A_GLANCE, live_panel_and_report, panel_of_report
+from .lab import ALL_TEXT, LIVE_PANEL, RAW_TEXT, REPORT_MIME, SAVED_REPORT, Lab
 from .server import JupyterLab
 
 pytestmark = pytest.mark.browser
@@ -194,3 +194,99 @@ def test_a_cell_with_no_torch_work_shows_no_action_buttons(
     expect(panel.locator("button")).to_have_count(0)
     expect(panel.locator(".ttm-actions")).to_have_count(0)
     lab.screenshot("no-torch", of=panel)
+
+
+DONE = """\
+del report["phase"]  # every number is in
+panel.update(Report.from_dict(report))
+"""
+
+
+def test_the_panel_reads_in_plain_words_mid_run_and_done_in_both_themes(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    """Mid-run: numbers so far in plain words, where the time went first. Done: the check
+    its own trial found slower apart, the same memory drawn neutral. Never a backtick,
+    "(s)" or an internal word; screenshots in the light and the dark theme."""
+    notebook = jupyter_lab.write_notebook(
+        "plain-words.ipynb",
+        [panel_of_report("plain-1", edit=AT_A_GLANCE + 'report["phase"] = "measuring"\n'), DONE],
+    )
+    lab.open_notebook(notebook)
+    lab.page.set_viewport_size({"width": 1400, "height": 2400})  # the whole panel in view
+    panel = lab.run_cell(0, f"{LIVE_PANEL}.ttm-run-plain-1 .ttm-findings")
+    panel = lab.cell(0).locator(LIVE_PANEL)
+    expect(panel.locator("header > h3 + *")).to_have_class("ttm-time-split")
+    anomaly = panel.locator("tr[data-finding='debug-anomaly']")
+    expect(anomaly.locator(".ttm-speedup-text")).to_have_text("1.54× so far (still measuring)")
+    expect(panel.locator(".ttm-combined .ttm-verdict")).to_have_text("results not compared yet")
+    text = panel.evaluate(ALL_TEXT)
+    assert not RAW_TEXT.search(text), RAW_TEXT.findall(text)
+
+    lab.run_cell(1)
+    expect(anomaly.locator(".ttm-speedup-text")).to_have_text("1.54× faster")
+    expect(panel.locator("details.ttm-checked summary")).to_have_text("checked: slower here (1)")
+    same = panel.locator(".ttm-chart-group").last.locator(".ttm-chart-row").last
+    expect(same.locator(".ttm-chart-label")).to_have_text("debug-anomaly + zero-grad-none")
+    assert same.locator("rect").evaluate("r => getComputedStyle(r).fill") != "rgb(211, 47, 47)"
+    for theme in ("JupyterLab Light", "JupyterLab Dark"):
+        lab.command("apputils:change-theme", {"theme": theme})
+        light = "true" if theme == "JupyterLab Light" else "false"
+        try:
+            expect(lab.page.locator(f"body[data-jp-theme-light='{light}']")).to_have_count(1)
+            text = panel.evaluate(ALL_TEXT)
+            assert not RAW_TEXT.search(text), RAW_TEXT.findall(text)
+            lab.screenshot(f"panel-{theme.split()[-1].lower()}", of=panel)
+        finally:
+            lab.command("apputils:change-theme", {"theme": "JupyterLab Light"})
+
+
+MODEL = """\
+%load_ext torchtune_magic
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+X, Y = torch.randn(32, 8), torch.randn(32, 1)"""
+# short enough for the probe to be the cell's one complete run: what it prints is shown then
+PRINTS = """\
+%%perfcheck --budget 1 --checks zero-grad-none
+for step in range(5):
+    opt.zero_grad(set_to_none=False)
+    loss = ((model(X) - Y) ** 2).mean()
+    loss.backward()
+    opt.step()
+print(f"loss {loss.item():.4f}")"""
+# The cell's outputs as a user sees them, top to bottom: the panel or the saved report
+# ("perfcheck"), else the output's text; hidden and empty outputs left out.
+SHOWN_OUTPUTS = """area => Array.from(area.querySelectorAll(':scope > .jp-OutputArea-child'))
+  .filter(item => item.offsetParent !== null)
+  .map(item => item.querySelector('.ttm-live-panel, .ttm-report') ? 'perfcheck'
+                                                                   : item.innerText.trim())
+  .filter(Boolean)"""
+
+
+def test_the_cells_output_keeps_its_place_after_a_save_and_reload(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    """Live, what the cell printed sits below the panel; after a save and a reload, below
+    the saved report that stands in for the panel: the same order."""
+    notebook = jupyter_lab.write_notebook("order.ipynb", [MODEL, PRINTS])
+    lab.open_notebook(notebook)
+    lab.run_cell(0)
+    panel = lab.run_cell(1, f"{LIVE_PANEL}[class*='ttm-run-']", timeout=120_000)
+    expect(panel.locator(".ttm-progress")).to_have_count(0, timeout=120_000)
+    area = lab.cell(1).locator(".jp-Cell-outputArea")
+    expect(area.locator(".jp-RenderedText")).to_contain_text("loss ")
+    live = area.evaluate(SHOWN_OUTPUTS)
+    assert live[0] == "perfcheck" and live[1].startswith("loss "), live
+    lab.screenshot("live")
+
+    lab.save(notebook)
+    jupyter_lab.shutdown_kernels()
+    lab.page.reload()
+    area = lab.cell(1).locator(".jp-Cell-outputArea")
+    expect(area.locator(SAVED_REPORT)).to_be_visible()
+    expect(area.locator(".jp-OutputArea-child[data-ttm-hidden]")).to_have_count(1)
+    assert area.evaluate(SHOWN_OUTPUTS) == live

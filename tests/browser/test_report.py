@@ -11,9 +11,9 @@ from playwright.sync_api import expect
 
 from torchtune_magic.report import load_schema
 
-from .cells import display_report
+from .cells import AT_A_GLANCE, display_report
 from .conftest import SAMPLE_REPORT, SAMPLE_REPORT_GPU
-from .lab import SAVED_REPORT, Lab
+from .lab import ALL_TEXT, RAW_TEXT, SAVED_REPORT, Lab
 from .server import JupyterLab
 
 pytestmark = pytest.mark.browser
@@ -343,7 +343,7 @@ def test_report_renders_long_cell_fields_and_every_measurement(
     anomaly = report.locator("tr[data-finding='debug-anomaly'] .ttm-speedup")
     # still measuring: a number so far, no verdict drawn from it yet
     expect(anomaly.locator(".ttm-speedup-text")).to_have_text(
-        "1.54× per batch so far (provisional)"
+        "1.54× per batch so far (still measuring)"
     )
     expect(anomaly.locator(".ttm-projected")).to_have_text("whole cell 61.2 s → 27.0 s (projected)")
     expect(anomaly.locator(".ttm-one-time")).to_have_text(
@@ -442,10 +442,121 @@ def test_the_report_opens_with_where_the_time_went(lab: Lab, jupyter_lab: Jupyte
     expect(parts.first).to_have_attribute("title", "data wait 63%")
     widths = parts.evaluate_all("ps => ps.map(p => p.getBoundingClientRect().width)")
     assert widths[0] > 3 * widths[1] and widths[0] > 10 * widths[3], widths
-    # first: above the summary and the findings
-    above = report.evaluate(
-        "r => r.querySelector('.ttm-time-split').compareDocumentPosition("
-        "r.querySelector('.ttm-summary')) & Node.DOCUMENT_POSITION_FOLLOWING"
-    )
-    assert above
+    # the parts make up the whole run: together as wide as the bar
+    whole = split.locator(".ttm-time-split-bar").evaluate("b => b.getBoundingClientRect().width")
+    assert abs(sum(widths) - whole) < 1, (widths, whole)
+    # first: the first thing under the report's title, above the summary and the findings
+    expect(report.locator("header > h3 + *")).to_have_class("ttm-time-split")
     lab.screenshot("time-split", of=report)
+
+
+# The computed colours of a caveat, of a note, and of a figure that went wrong.
+CAVEAT_NOTE_BAD = """r => {
+  const probe = document.createElement('span');
+  probe.className = 'ttm-tone-bad';
+  r.appendChild(probe);
+  const colours = [r.querySelector('.ttm-caveat'), r.querySelector('.ttm-note'), probe].map(
+    n => getComputedStyle(n).color);
+  probe.remove();
+  return colours;
+}"""
+# The memory group's bars: each one's label and computed fill.
+MEMORY_FILLS = """svg => Array.from(
+  [...svg.querySelectorAll('.ttm-chart-group')].pop().querySelectorAll('.ttm-chart-row'),
+  row => [row.querySelector('.ttm-chart-label').textContent,
+          getComputedStyle(row.querySelector('rect')).fill])"""
+RED = "rgb(211, 47, 47)"  # --ttm-bar-bad in the light theme (less memory: --ttm-bar-good)
+
+
+def test_each_finding_reads_at_a_glance_and_nothing_reads_raw(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    """One sentence of evidence with its part of the time split as a chip of that part's
+    colour, the details folded; caveats in the note colour; the check its own trial found
+    slower under "checked: slower here"; memory bars coloured by their badge; the
+    not-applicable checks one line per reason; no backtick, "(s)" or internal word."""
+    notebook = jupyter_lab.write_notebook(
+        "at-a-glance.ipynb", [display_report("glance-1", edit=AT_A_GLANCE)]
+    )
+    lab.open_notebook(notebook)
+    report = lab.run_cell(0, SAVED_REPORT)
+    anomaly = report.locator("tr[data-finding='debug-anomaly']")
+
+    evidence = anomaly.locator(".ttm-evidence")
+    expect(evidence.locator(".ttm-evidence-lead")).to_have_text(
+        "anomaly mode checked 40 of 40 backward passes (set_detect_anomaly(True) at line 1)"
+    )
+    expect(evidence.locator(".ttm-evidence-lead code")).to_have_text("set_detect_anomaly(True)")
+    chip = evidence.locator(".ttm-segment")
+    expect(chip).to_have_text("backward 15%")
+    expect(chip).to_have_attribute(
+        "title", "this fix acts on the backward: 15% of the time in the baseline's first run"
+    )
+    swatch = chip.locator(".ttm-segment-swatch").evaluate("n => getComputedStyle(n).background")
+    part = report.locator(".ttm-split-part.ttm-split-backward")
+    assert part.evaluate("n => getComputedStyle(n).background") == swatch
+    details = evidence.locator("details.ttm-details")
+    expect(details).not_to_have_attribute("open", "")
+    expect(details.locator(".ttm-details-text")).to_be_hidden()
+    details.locator("summary").click()
+    expect(details.locator(".ttm-details-text")).to_have_text(
+        "a trial without it took 0.27 s\nper batch: 6.8 ms → 4.4 ms"
+    )
+    expect(report.locator("tr[data-finding='zero-grad-none'] .ttm-segment")).to_have_text(
+        "optimizer 3%"
+    )
+
+    # a caveat is a note (the note colour), never the red of what went wrong
+    caveat, note, bad = report.evaluate(CAVEAT_NOTE_BAD)
+    assert caveat == note and caveat != bad, (caveat, note, bad)
+
+    # an option never breaks inside: it is code, on one line, even in a narrow column
+    budget = report.locator("tr[data-finding='zero-grad-none'] .ttm-speedup-text code")
+    expect(budget).to_have_text("--budget 90")
+    assert budget.evaluate("n => getComputedStyle(n).whiteSpace") == "nowrap"
+    assert len(budget.evaluate("n => [...n.getClientRects()]")) == 1
+
+    # results not compared: in words
+    together = report.locator(".ttm-combined .ttm-verdict")
+    expect(together).to_have_text("results not compared yet")
+
+    # the check its own trial found slower: apart, with its figure
+    checked = report.locator("details.ttm-checked")
+    expect(checked.locator("summary")).to_have_text("checked: slower here (1)")
+    checked.locator("summary").click()
+    expect(checked.locator("li[data-check='channels-last']")).to_contain_text(
+        "Convolutions run in the default memory format"
+        "slower in channels_last here: model.2.0 (0.66 ms → 10.39 ms, 15.75x the time)"
+    )
+    expect(report.locator("tr[data-finding='channels-last']")).to_have_count(0)
+
+    # memory bars by the badge's verdict: the same memory neutral, more memory red
+    fills = dict(report.locator("svg.ttm-chart").evaluate(MEMORY_FILLS))
+    both = "debug-anomaly + zero-grad-none"
+    assert list(fills) == ["baseline", "debug-anomaly", "zero-grad-none", both], fills
+    assert fills["zero-grad-none"] == RED, fills  # +30% memory
+    assert fills[both] not in (RED, fills["debug-anomaly"]), fills  # same memory: neither
+    more = report.locator("tr[data-finding='zero-grad-none'] .ttm-badge-memory")
+    expect(more).to_have_text("+30% memory")
+
+    # not applicable: one line per reason, with its ids
+    not_applicable = report.locator("details.ttm-not-applicable")
+    expect(not_applicable.locator("summary")).to_have_text("Not applicable here (5)")
+    not_applicable.locator("summary").click()
+    expect(not_applicable.locator("li")).to_have_text(
+        [
+            "pin-memory, tf32, cudnn-benchmark — not applicable on CPU: this only matters for "
+            "work on a CUDA device",
+            "ddp-no-sync, rank-imbalance — not a distributed run (torch.distributed is not "
+            "initialised)",
+        ]
+    )
+    heights = not_applicable.locator("li").evaluate_all(
+        "items => items.map(li => li.getClientRects().length)"
+    )
+    assert heights == [1, 1]
+
+    text = report.evaluate(ALL_TEXT)
+    assert not RAW_TEXT.search(text), RAW_TEXT.findall(text)
+    lab.page.set_viewport_size({"width": 1400, "height": 2400})  # the whole report in view
+    lab.screenshot("at-a-glance", of=report)

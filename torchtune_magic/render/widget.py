@@ -12,7 +12,10 @@ to notebook" never reaches the kernel: the view hands the report's `notebook_edi
 the labextension, which alone can edit notebook cells.
 
 The last report is also published as its own MIME output under a fixed display id,
-updated on every change, because a saved notebook cannot restore widgets.
+updated on every change, because a saved notebook cannot restore widgets. Its place is
+held right below the panel from the start (an empty output under that display id), so
+what the cell prints comes after both: live, the cell's output sits below the panel, and
+in the saved notebook below the report that stands in for it.
 
 This is the only module that imports anywidget or ipywidgets: the engine never does.
 """
@@ -93,9 +96,13 @@ class Panel:
 
     @classmethod
     def measuring(cls, shell: Any, run_id: str) -> Panel:
-        """Show the panel now, so its progress moves during the first measurement."""
+        """Show the panel now, so its progress moves during the first measurement, and
+        hold the saved report's place right below it (filled in when the findings are in)."""
         panel = cls(shell, run_id)
         display(panel.widget)
+        panel._cell_parent = panel._current_parent()
+        display(display_id=panel.display_id)  # empty until the first report
+        panel._displayed_report = True
         return panel
 
     def _mark_run(self, run_id: str) -> None:
