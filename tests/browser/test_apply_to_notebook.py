@@ -127,6 +127,55 @@ def test_apply_to_notebook_edits_both_cells_as_one_undoable_change(
     assert lab.source(2) == CHECKED
 
 
+ANOMALY_ON = """\
+import torch
+# left on while chasing a NaN
+torch.autograd.set_detect_anomaly(True)
+print("anomaly detection on")"""
+# applied by name, as above: the edits carried are the same code path as the recommended
+CHECKED_ANOMALY = """\
+%%perfcheck --budget 1 --checks debug-anomaly --apply debug-anomaly
+for step in range(5):
+    opt.zero_grad()
+    loss = ((model(X) - Y) ** 2).mean()
+    loss.backward()
+    opt.step()"""
+
+
+def test_apply_to_notebook_turns_off_anomaly_mode_in_the_cell_that_turned_it_on(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    """debug-anomaly's permanent change is in the earlier cell that called
+    set_detect_anomaly(True): Apply to notebook removes that call (its comment and the
+    rest of the cell stay), and one undo puts it back."""
+    notebook = jupyter_lab.write_notebook(
+        "anomaly.ipynb", ["%load_ext torchtune_magic", ANOMALY_ON, MODEL, CHECKED_ANOMALY]
+    )
+    lab.open_notebook(notebook)
+    for index in range(3):
+        lab.run_cell(index)
+    panel = lab.run_cell(3, f"{LIVE_PANEL}[class*='ttm-run-']", timeout=120_000)
+    expect(panel.locator(".ttm-progress")).to_have_count(0, timeout=120_000)
+    panel.get_by_role("button", name="Show code").click()
+    edits = panel.locator(".ttm-notebook-edits")
+    expect(edits.locator(".ttm-code-block .ttm-code-caption span").first).to_have_text("In[2]")
+    edits.get_by_role("button", name="Apply to notebook").click()
+    dialog = lab.page.locator(".jp-Dialog")
+    expect(dialog.locator(".ttm-diff-del")).to_contain_text(["set_detect_anomaly(True)"])
+    dialog.locator(".jp-Dialog-button.jp-mod-accept").click()
+    expect(edits.locator(".ttm-apply-outcome")).to_contain_text("Edited In[2]")
+    expect(lab.cell(1).locator(".cm-content")).not_to_contain_text("set_detect_anomaly")
+    after = lab.source(1)
+    assert "import torch" in after and 'print("anomaly detection on")' in after
+    assert "# left on while chasing a NaN" in after
+    ast.parse(after)
+    lab.screenshot("anomaly-applied")
+
+    lab.page.keyboard.press("Control+z")
+    expect(lab.cell(1).locator(".cm-content")).to_contain_text("set_detect_anomaly(True)")
+    assert lab.source(1) == ANOMALY_ON and lab.source(3) == CHECKED_ANOMALY
+
+
 # What a front end without the labextension sees (VS Code, Colab): no button that could
 # do nothing, but how to make the change instead.
 NO_LABEXTENSION = "document.body.removeAttribute('data-ttm-notebook-edits')"

@@ -13,7 +13,7 @@ from torchtune_magic.report import load_schema
 
 from .cells import AT_A_GLANCE, display_report
 from .conftest import SAMPLE_REPORT, SAMPLE_REPORT_GPU
-from .lab import ALL_TEXT, RAW_TEXT, SAVED_REPORT, Lab
+from .lab import ALL_TEXT, LIVE_PANEL, RAW_TEXT, SAVED_REPORT, Lab
 from .server import JupyterLab
 
 pytestmark = pytest.mark.browser
@@ -560,3 +560,43 @@ def test_each_finding_reads_at_a_glance_and_nothing_reads_raw(
     assert not RAW_TEXT.search(text), RAW_TEXT.findall(text)
     lab.page.set_viewport_size({"width": 1400, "height": 2400})  # the whole report in view
     lab.screenshot("at-a-glance", of=report)
+
+
+SLOWER_CONVS = """\
+import torch
+from torch import nn
+torch.manual_seed(0)
+net = nn.Sequential(
+    nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.ReLU(),
+    nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.ReLU(),
+).double()
+images = torch.randn(8, 32, 64, 64, dtype=torch.float64)"""
+
+
+def test_a_fix_its_own_trial_measured_slower_is_checked_not_offered(
+    lab: Lab, jupyter_lab: JupyterLab
+) -> None:
+    """float64 depthwise convs, several times slower in channels_last on a CPU: the
+    check's own per-conv trial says so, and the panel lists it under "checked: slower
+    here" with that figure, never as a finding that its own caveat contradicts."""
+    notebook = jupyter_lab.write_notebook(
+        "slower.ipynb",
+        [
+            "%load_ext torchtune_magic",
+            SLOWER_CONVS,
+            "%%perfcheck --checks channels-last --budget 1\nwith torch.no_grad():\n"
+            "    out = net(images)",
+        ],
+    )
+    lab.open_notebook(notebook)
+    lab.run_cell(0)
+    lab.run_cell(1)
+    lab.run_cell(2, f"{LIVE_PANEL} details.ttm-checked", timeout=120_000)
+    panel = lab.cell(2).locator(LIVE_PANEL)
+    checked = panel.locator("details.ttm-checked")
+    expect(checked.locator("summary")).to_have_text("checked: slower here (1)")
+    checked.locator("summary").click()
+    expect(checked.locator("li[data-check='channels-last']")).to_contain_text(
+        re.compile(r"ms NCHW → [\d.]+ ms channels_last \([\d.]+x the time\)")
+    )
+    expect(panel.locator("tr[data-finding='channels-last']")).to_have_count(0)
