@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from torchtune_magic import perfcheck, session
-from torchtune_magic.engine import loops, probe, steps
-from torchtune_magic.engine.workload import CellError, Workload
+from torchtune_magic.cell import loops
+from torchtune_magic.cell.workload import CellError, Workload
+from torchtune_magic.probe import probe, steps
 
 RAW_SETUP = """
 import torch

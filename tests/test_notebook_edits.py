@@ -16,7 +16,7 @@ import jsonschema
 import torch
 from torch.utils.data import Dataset
 
-from torchtune_magic.engine import history
+from torchtune_magic.cell import history
 from torchtune_magic.report import Report, load_schema
 
 CLASS_CELL = """class Net(nn.Module):

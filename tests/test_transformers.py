@@ -22,7 +22,8 @@ from workloads import detected, namespace_with
 
 from torchtune_magic import perfcheck, session
 from torchtune_magic.checks.loader.fixes import TrainerPinMemoryFix, TrainerWorkersFix
-from torchtune_magic.engine import fixes, frameworks, steps
+from torchtune_magic.kernel import fixes
+from torchtune_magic.probe import frameworks, steps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub, whatever a test builds
 pytest.importorskip("transformers")

@@ -20,8 +20,9 @@ from IPython.core.magic_arguments import (
     parse_argstring,
 )
 
-from .engine import allocator, history
-from .engine.workload import CellError, Workload
+from .cell import history
+from .cell.workload import CellError, Workload
+from .kernel import allocator
 from .options import Options, OptionsError
 from .report import Report
 from .session import Session

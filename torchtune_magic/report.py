@@ -38,7 +38,7 @@ OPTIONAL_MEASUREMENT_FIELDS = (
     "budget_to_tell_s",
     "at_most",
 )
-# A fix's speedup read over paired rounds (engine/verdict.py): the interval decides
+# A fix's speedup read over paired rounds (measuring/verdict.py): the interval decides
 FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
 LOSS_FIELDS = (
     "loss_verdict",
@@ -154,7 +154,7 @@ class Numerics:
     max_rel_diff: float | None = None
     detail: str | None = None
     # A training cell's loss per step (the tensor each backward() ran on), the fix's
-    # against the baseline's over the same steps (`engine/losses.py`); None elsewhere.
+    # against the baseline's over the same steps (`measuring/losses.py`); None elsewhere.
     loss_verdict: str | None = None  # "same loss" | "loss changed"
     loss_max_rel_diff: float | None = None  # the largest relative difference at a step
     loss_tolerance: float | None = None  # what the verdict was judged by
@@ -203,7 +203,7 @@ class Variant:
     projected_cell_s: float | None = None  # see Stats.projected_cell_s
     measured_at: str | None = None  # when this measurement finished (ISO 8601, UTC)
     baseline_median_s: float | None = None  # the baseline median its speedup is against
-    # paired rounds (engine/verdict.py): `speedup` is the median of the rounds' ratios, the
+    # paired rounds (measuring/verdict.py): `speedup` is the median of the rounds' ratios, the
     # interval bounds it (null: too few rounds for one), the verdict reads the interval
     speedup_low: float | None = None
     speedup_high: float | None = None
@@ -378,7 +378,7 @@ class Report:
     distributed: Distributed | None = None  # measured under torchrun, over these ranks
     failures: list[OwnFailure] = field(default_factory=list)  # perfcheck's own, contained
     # where the baseline's first measuring run spent its time, seconds by part (data_wait,
-    # forward, backward, optimizer, other: `engine/time_split.py`)
+    # forward, backward, optimizer, other: `measuring/time_split.py`)
     time_split: dict[str, float] | None = None
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:

@@ -6,14 +6,14 @@ configuration's numbers as soon as they are measured. Measuring always starts ea
 the state the cell started from (snapshot S0) and ends by putting back a known state; the
 cell's one complete run (`finish`) then leaves the kernel as if the cell ran once.
 
-Long cells are sampled (see `engine/steps.py`): the probe stops itself at a step boundary,
+Long cells are sampled (see `probe/steps.py`): the probe stops itself at a step boundary,
 every measuring run stops after the same step K, and the report gives per-step times with
 the whole cell projected; the complete run happens last, with the fixes asked for.
 
 The parts, each in a module of its own: the measuring plan (`measuring/plan.py`), the runs
 that carry it out (`measuring/runs.py`, one run in `measuring/run.py`), the figures drawn
-from them (`measuring/figures.py`), the applied fixes (`engine/applied.py`) and the code
-changes (`engine/cellchanges.py`).
+from them (`measuring/figures.py`), the applied fixes (`kernel/applied.py`) and the code
+changes (`checks/cellchanges.py`).
 """
 
 from __future__ import annotations
@@ -26,25 +26,13 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .checks import Check, Detection, registry
-from .engine import (
-    applied,
-    cellchanges,
-    discovery,
-    fixes,
-    history,
-    launchers,
-    lockstep,
-    oom,
-    own_failures,
-    plain_stack,
-    probe,
-    state,
-    steps,
-    timing,
-)
-from .engine.workload import CellError, Workload, captured
-from .measuring import figures, fits
+from . import own_failures
+from .cell import history
+from .cell.workload import CellError, Workload, captured
+from .checks import Check, Detection, cellchanges, registry
+from .distributed import lockstep
+from .kernel import applied, discovery, fixes, plain_stack, state
+from .measuring import figures, fits, timing
 from .measuring import plan as plans
 from .measuring.plan import (
     PROBE_SECONDS,
@@ -54,6 +42,7 @@ from .measuring.plan import (
 from .measuring.run import Config
 from .measuring.runs import Hooks, Runs
 from .options import Options
+from .probe import launchers, oom, probe, steps
 from .report import (
     CellRun,
     Distributed,
@@ -96,7 +85,7 @@ class Session:
         self.on_report = on_report
         self.run_id = uuid.uuid4().hex[:12]
         # under torchrun, the job's ranks: each decision that shapes measuring is agreed
-        # with them (`engine/lockstep.py`) while this session probes and measures
+        # with them (`distributed/lockstep.py`) while this session probes and measures
         self.ranks = lockstep.joined()
         self.observation: probe.Observation | None = None
         self.detections: list[Detection] = []
@@ -132,7 +121,7 @@ class Session:
         # file written): the cell is then not run again, and these say why
         self._one_way: list[str] = []
         # the launcher that runs the cell's training in child processes perfcheck does not
-        # see (`engine/launchers.py`): the cell is then not run again either
+        # see (`probe/launchers.py`): the cell is then not run again either
         self._launcher: str | None = None
 
     # the one-shot flow ----------------------------------------------------------------------
@@ -480,13 +469,13 @@ class Session:
             self.publish(self._build_report(phase=self.report.phase))
 
     def recommended(self, variants: list[Variant] | None = None) -> list[str]:
-        """The recommended fixes (`engine.applied.recommended`) among these measurements
+        """The recommended fixes (`kernel.applied.recommended`) among these measurements
         (default: the current report's)."""
         if variants is None:
             variants = self.report.variants if self.report is not None else []
         return applied.recommended([d.finding.id for d in self.fixable], variants)
 
-    # code changes (engine/cellchanges.py) ---------------------------------------------------
+    # code changes (checks/cellchanges.py) ---------------------------------------------------
     def suggested_cell(self) -> str:
         """The cell with the code changes of the fixes applied now (of the recommended
         ones, when none is)."""

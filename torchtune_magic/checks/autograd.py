@@ -14,16 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, discovery
-from ..engine.fixes import Fix, Patcher
+from ..cell import codeedit
+from ..kernel import discovery
+from ..kernel.fixes import Fix, Patcher
 from ..report import CodeChange
 from . import bounds
 from .base import Check, Detection, size_text
 from .userfuncs import function_locations
 
 if TYPE_CHECKING:
-    from ..engine.graphs import GraphSite
-    from ..engine.probe import Observation
+    from ..probe.graphs import GraphSite
+    from ..probe.probe import Observation
 
 
 def _lines_text(lines: list[int]) -> str:

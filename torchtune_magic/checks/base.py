@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from ..engine.fixes import Fix
-from ..engine.history import CallEdit
+from ..cell.history import CallEdit
+from ..kernel.fixes import Fix
 from ..report import Finding, Variant
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.probe import Observation
 
 GUIDE_URL = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA"}

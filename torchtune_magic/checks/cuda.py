@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..engine import codeedit
-from ..engine.fixes import Fix, Patcher
+from ..cell import codeedit
+from ..kernel.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection, size_text
 from .loader import lines_text, non_blocking_edit
 
 if TYPE_CHECKING:
-    from ..engine.probe import HostCopy, Observation
+    from ..probe.probe import HostCopy, Observation
 
 
 # cudnn-benchmark ------------------------------------------------------------------------------

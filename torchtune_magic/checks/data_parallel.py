@@ -20,7 +20,7 @@ from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.probe import Observation
 
 
 class DataParallelCheck(Check):

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..engine import codeedit
-from ..engine.fixes import Fix, FixError, Patcher, patched
-from ..engine.memory import _native_stderr_silenced
+from ..cell import codeedit
+from ..kernel.fixes import Fix, FixError, Patcher, patched
+from ..probe.memory import _native_stderr_silenced
 from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.probe import Observation
 
 GUIDE = "Disable debugging APIs"
 ANOMALY_NAMES = {"detect_anomaly", "set_detect_anomaly"}

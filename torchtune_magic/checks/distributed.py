@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
 
-from ..engine.fixes import Fix, Patcher
+from ..kernel.fixes import Fix, Patcher
 from ..report import CodeChange
 from .base import Check, Detection, size_text
 from .loader.rebuild import plan_for
 from .loader.target import locate
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation, SyncedForwards
+    from ..probe.probe import Observation, SyncedForwards
     from .loader.rebuild import LoaderPlan
 
 GUIDE = "Distributed optimizations"

@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import allocator, fixes, memory, probe, steps, timing, utilisation
-from ..engine.verdict import Speedup
+from ..kernel import allocator, fixes
+from ..probe import memory, probe, steps
 from ..report import Sampling, Stats, Variant
+from . import timing, utilisation
 from .plan import BASELINE, Sampled
+from .verdict import Speedup
 
 if TYPE_CHECKING:
     from .run import Config, RunTime

@@ -20,26 +20,13 @@ from typing import Any
 
 import torch
 
-from ..engine import (
-    discovery,
-    fixes,
-    load,
-    lockstep,
-    losses,
-    memory,
-    numerics,
-    plain_stack,
-    probe,
-    state,
-    steps,
-    timing,
-    utilisation,
-    verdict,
-)
-from ..engine.workload import Workload
+from ..cell.workload import Workload
+from ..distributed import lockstep
+from ..kernel import discovery, fixes, plain_stack, state
 from ..options import Options
+from ..probe import load, memory, probe, steps
 from ..report import MachineLoad, Numerics, RankTime, Variant
-from . import figures
+from . import figures, losses, numerics, timing, utilisation, verdict
 from . import plan as plans
 from .plan import BASELINE, PROBE_SLOWDOWN, MeasuringPlan
 from .run import Config, Runner, RunTime

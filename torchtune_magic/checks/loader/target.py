@@ -9,12 +9,13 @@ import ast
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...engine import codeedit, frameworks, history
+from ...cell import codeedit, history
+from ...probe import frameworks
 from .edits import POSITIONAL, class_names
 
 if TYPE_CHECKING:
-    from ...engine.discovery import Location
-    from ...engine.probe import LoaderUse, Observation
+    from ...kernel.discovery import Location
+    from ...probe.probe import LoaderUse, Observation
 
 
 @dataclass

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import codeedit, fixes, history
-from .discovery import Location, Step
+from ..cell import codeedit, history
+from ..kernel import fixes
+from ..kernel.discovery import Location, Step
 
 if TYPE_CHECKING:
-    from .fixes import Fix
-    from .workload import Workload
+    from ..cell.workload import Workload
+    from ..kernel.fixes import Fix
 
 LIGHTNING_MODULES = ("lightning", "pytorch_lightning")
 HF_MODULES = ("transformers",)

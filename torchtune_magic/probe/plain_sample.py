@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import allocator, discovery, state
-from .workload import CellError, Workload, silenced
+from ..cell.workload import CellError, Workload, silenced
+from ..kernel import allocator, discovery, state
 
 # a snapshot larger than this share of free host memory is not taken (nor are the runs)
 SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5

@@ -23,10 +23,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import allocator, discovery, graphs, load, lockstep, loops, memory
-from .fixes import Patcher
+from ..cell import loops
+from ..cell.workload import CellError, Workload, synchronize
+from ..distributed import lockstep
+from ..kernel import allocator, discovery
+from ..kernel.fixes import Patcher
+from . import graphs, load, memory
 from .steps import StepLimitReached
-from .workload import CellError, Workload, synchronize
 
 SPAN_MARK = "perfcheck::mark#"
 MAX_SHAPES = 8  # distinct input shapes remembered per module
@@ -52,7 +55,7 @@ PROBE_MIN_STEPS = 3  # a probe stopped early has seen at least this many steps (
 # ~330 steps: 8.4 s of the 9 s probe; 50 steps: about a sixth of that)
 PROFILED_STEPS_MOST = 50
 # in order of preference as the step; an "iteration" is one of the cell's own loops
-# (`engine/loops`), for cells with no loader, optimizer or module to mark their steps
+# (`cell/loops`), for cells with no loader, optimizer or module to mark their steps
 STEP_UNITS = ("batch", "optimizer step", "forward", "iteration")
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .fixes import Patcher
+from ..kernel.fixes import Patcher
 
 DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, OTHER = (
     "data_wait",

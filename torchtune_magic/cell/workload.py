@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from ..kernel.fixes import Patcher
+from ..kernel.plain_stack import PlainStack
 from . import history, loops
-from .fixes import Patcher
-from .plain_stack import PlainStack
 
 _counter = itertools.count(1)
 
@@ -125,7 +125,7 @@ class Workload:
         return "".join(lines[padding:])
 
     def code_for(self, source: str | None = None, loop_keys: frozenset[str] = frozenset()) -> Any:
-        """Compile (once per distinct text and set of instrumented loops, `engine/loops`);
+        """Compile (once per distinct text and set of instrumented loops, `cell/loops`);
         registered in linecache so tracebacks show lines."""
         source = self.source if source is None else source
         code = self._compiled.get((source, loop_keys))
@@ -150,7 +150,7 @@ class Workload:
         """Execute the cell once; seconds of wall time, device work included. `under`: the
         stack a plain run of the cell has, to run it under (`PlainStack.run`); `around`: a
         context entered and left inside the timed run, as code in the cell would be;
-        `loop_keys`: the cell's loops that report each iteration (`engine/loops`)."""
+        `loop_keys`: the cell's loops that report each iteration (`cell/loops`)."""
         __tracebackhide__ = True
         code = self.code_for(source, loop_keys)
         hooked = loops.hook_bound(self.namespace) if loop_keys else contextlib.nullcontext()

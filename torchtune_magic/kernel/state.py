@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from . import allocator, discovery, frameworks, pystate
+from ..probe import frameworks
+from . import allocator, discovery, pystate
 
 try:  # numpy is optional for the guard; torch works without it
     import numpy as np
