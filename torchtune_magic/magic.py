@@ -21,6 +21,7 @@ from IPython.core.magic_arguments import (
 )
 
 from .cell import history
+from .cell.notebook import Inputs, Notebook
 from .cell.workload import CellError, Workload
 from .kernel import allocator
 from .options import Options, OptionsError
@@ -181,10 +182,10 @@ class PerfcheckMagics(Magics):
             ):
                 header, _, body = stored.partition("\n")
                 count = running.execution_count
-                inputs = history.Inputs.of_history(manager, count)
+                inputs = Inputs.of_history(manager, count)
             else:
-                inputs = history.Inputs.of_history(manager, running.execution_count - 1)
-        notebook = history.Notebook(header, body, count, inputs)
+                inputs = Inputs.of_history(manager, running.execution_count - 1)
+        notebook = Notebook(header, body, count, inputs)
         return Workload.at_line(code, self.shell.user_ns, 2 + dropped, notebook)
 
     def _run(self, workload: Workload, options: Options) -> Report | None:

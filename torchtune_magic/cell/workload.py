@@ -18,7 +18,8 @@ import torch
 
 from ..kernel.fixes import Patcher
 from ..kernel.plain_stack import PlainStack
-from . import history, loops
+from . import loops
+from .notebook import Notebook
 
 _counter = itertools.count(1)
 
@@ -88,7 +89,7 @@ class Workload:
     first_line: int = 1  # the editor line of the cell's first line; `source` is padded to it
     # where the cell sits in the notebook (its text as typed, execution count, the kernel's
     # input history): for the code changes to earlier cells. Default: read from `In`.
-    notebook: history.Notebook | None = None
+    notebook: Notebook | None = None
     _compiled: dict[tuple[str, frozenset[str]], Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,7 +97,7 @@ class Workload:
             self.filename = f"<perfcheck-cell-{next(_counter)}>"
         self.tree = ast.parse(self.source, self.filename)  # SyntaxError surfaces before any run
         if self.notebook is None:
-            self.notebook = history.Notebook.of_namespace(self.cell, self.namespace)
+            self.notebook = Notebook.of_namespace(self.cell, self.namespace)
 
     @classmethod
     def at_line(
@@ -104,7 +105,7 @@ class Workload:
         cell: str,
         namespace: dict[str, Any],
         first_line: int,
-        notebook: history.Notebook | None = None,
+        notebook: Notebook | None = None,
     ) -> Workload:
         """The cell whose first line is the editor's line `first_line` (a SyntaxError
         names the editor's line)."""

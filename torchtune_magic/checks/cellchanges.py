@@ -11,7 +11,7 @@ from ..cell.workload import Workload
 from ..report import CodeChange, NotebookEdits
 
 if TYPE_CHECKING:
-    from . import Detection
+    from .base import Detection
 
 
 def optimized_cell(

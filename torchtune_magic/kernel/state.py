@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from ..probe import frameworks
-from . import allocator, discovery, pystate
+from . import allocator, discovery, pystate, trainers
 
 try:  # numpy is optional for the guard; torch works without it
     import numpy as np
@@ -271,7 +270,7 @@ class Snapshot:
     stateful: list[_StateDictObject] = field(default_factory=list)
     rng: _RNGState | None = None
     switches: TorchSwitches | None = None
-    trainers: frameworks.TrainerState | None = None  # Hugging Face Trainers' bookkeeping
+    trainers: trainers.TrainerState | None = None  # Hugging Face Trainers' bookkeeping
     python: pystate.PyState | None = None  # lists, dicts, attributes, closures, …
     # the tensors a run of the cell was seen to leave as they were (`note_unwritten`)
     unwritten: set[int] = field(default_factory=set)
@@ -435,7 +434,7 @@ def take(
         ],
         rng=_RNGState.capture(generators.values()),
         switches=TorchSwitches.capture(),
-        trainers=frameworks.TrainerState.take(namespace),
+        trainers=trainers.TrainerState.take(namespace),
         python=python,
     )
 

@@ -29,6 +29,7 @@ from ..distributed import lockstep
 from ..kernel import allocator, discovery
 from ..kernel.fixes import Patcher
 from . import graphs, load, memory
+from .memory import OpEvent
 from .steps import StepLimitReached
 
 SPAN_MARK = "perfcheck::mark#"
@@ -198,16 +199,6 @@ class HostCopy:
     non_blocking: bool
     from_loader: bool
     nbytes: int
-
-
-@dataclass
-class OpEvent:
-    """A top-level operator from the profiler stream (times in microseconds)."""
-
-    name: str
-    start_us: float
-    end_us: float
-    self_us: float
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...cell import codeedit, history
+from ...kernel import trainers
 from ...probe import frameworks
 from .edits import POSITIONAL, class_names
 
@@ -29,7 +30,7 @@ class Target:
     unreachable: str | None  # why a live fix cannot reach it, if it cannot
     # a Hugging Face Trainer from an earlier cell that builds the loader from its arguments
     # on each call (`trainer.train()`): fixes go through those arguments
-    trainer: frameworks.HFTrainer | None = None
+    trainer: trainers.HFTrainer | None = None
 
 
 def locate(obs: Observation, use: LoaderUse) -> Target:
