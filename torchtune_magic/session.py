@@ -43,6 +43,7 @@ from .measuring.run import Config
 from .measuring.runs import Hooks, Runs
 from .options import Options
 from .probe import launchers, oom, probe, steps
+from .probe.observation import Observation, StepTrace
 from .report import (
     CellRun,
     Distributed,
@@ -87,7 +88,7 @@ class Session:
         # under torchrun, the job's ranks: each decision that shapes measuring is agreed
         # with them (`distributed/lockstep.py`) while this session probes and measures
         self.ranks = lockstep.joined()
-        self.observation: probe.Observation | None = None
+        self.observation: Observation | None = None
         self.detections: list[Detection] = []
         self.not_applicable: list[NotApplicable] = []
         self.warnings: list[str] = []
@@ -95,7 +96,7 @@ class Session:
         # never fails for them, and the report says which part failed and why
         self.failures = own_failures.OwnFailures()
         self.report: Report | None = None
-        self.step_trace: probe.StepTrace | None = None
+        self.step_trace: StepTrace | None = None
         self.step_count: steps.StepCount | None = None
         self.cell_run: CellRun | None = None
         self.applied_fixes = applied.AppliedFixes(workload.namespace, self._warn_once)
@@ -178,7 +179,7 @@ class Session:
                 self.publish(self.report)
             raise
 
-    def probe(self) -> probe.Observation:
+    def probe(self) -> Observation:
         """The instrumented run. A long cell's probe stops at a step boundary after a share of
         the budget; what it printed is shown only when it ran the whole cell (else the cell's
         complete run prints it, once)."""
@@ -268,7 +269,7 @@ class Session:
             self.step_count = steps.count_steps(obs, self.step_trace)
         return obs
 
-    def _probe_figures_agreed(self, obs: probe.Observation, ranks: lockstep.Ranks) -> None:
+    def _probe_figures_agreed(self, obs: Observation, ranks: lockstep.Ranks) -> None:
         """Under torchrun, every rank's work in the probe (for rank-imbalance and the rank
         table), the probe's times as its slowest rank took them, and a change no restore
         puts back on any rank holds every rank to the one run (the figures the measuring
@@ -308,7 +309,7 @@ class Session:
                 cellchanges.attach_cell_changes(self.workload, [detection])
         return self.detections
 
-    def _run_check(self, check: Check, obs: probe.Observation) -> None:
+    def _run_check(self, check: Check, obs: Observation) -> None:
         """One check's findings, or why it does not apply here."""
         reason = check.not_applicable(obs)
         if reason is None and self.ranks is not None:
@@ -703,7 +704,7 @@ class Session:
             time_split=runs.time_split if runs is not None else None,
         )
 
-    def _observed(self) -> probe.Observation:
+    def _observed(self) -> Observation:
         if self.observation is None:
             raise RuntimeError("probe() has not run yet")
         return self.observation
@@ -720,7 +721,7 @@ class Session:
 _MISSING = object()
 
 
-def _uses_cuda(obs: probe.Observation) -> bool:
+def _uses_cuda(obs: Observation) -> bool:
     for use in obs.modules.values():
         for tensor in use.module.parameters():
             return tensor.is_cuda

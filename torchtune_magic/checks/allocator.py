@@ -31,7 +31,7 @@ from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 # Faults costing this share of a plain run are worth a fix. Measured on a 2-core VM (other
 # processes keeping ~1.3 CPUs busy; fresh processes, the fix against none, three pairs):

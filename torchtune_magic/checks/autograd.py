@@ -24,7 +24,7 @@ from .userfuncs import function_locations
 
 if TYPE_CHECKING:
     from ..probe.graphs import GraphSite
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 
 def _lines_text(lines: list[int]) -> str:

@@ -10,7 +10,7 @@ from ..kernel.fixes import Fix
 from ..report import Finding, Variant
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 GUIDE_URL = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA"}

@@ -23,7 +23,7 @@ from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 MIN_BLOCKS = 3
 DEVICE_SHARE = 0.5  # peak above this share of the device's (free) memory: memory-bound

@@ -23,7 +23,7 @@ from . import bounds
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 BIAS_POSITION = 7  # Conv1d/2d/3d(in, out, kernel_size, stride, padding, dilation, groups, bias)

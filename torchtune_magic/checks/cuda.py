@@ -21,7 +21,7 @@ from .base import Check, Detection, size_text
 from .loader import lines_text, non_blocking_edit
 
 if TYPE_CHECKING:
-    from ..probe.probe import HostCopy, Observation
+    from ..probe.observation import HostCopy, Observation
 
 
 # cudnn-benchmark ------------------------------------------------------------------------------

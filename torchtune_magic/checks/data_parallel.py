@@ -20,7 +20,7 @@ from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 
 class DataParallelCheck(Check):

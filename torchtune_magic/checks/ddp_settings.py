@@ -40,7 +40,7 @@ from .distributed import DistributedCheck, model_name
 if TYPE_CHECKING:
     from ..cell.history import CallEdit
     from ..kernel.discovery import Location
-    from ..probe.probe import Observation, SyncedForwards
+    from ..probe.observation import Observation, SyncedForwards
 
 # the same sums over the ranks, bucketed another way
 SETTINGS_TOLERANCE = 1e-5

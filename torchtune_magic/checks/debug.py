@@ -23,7 +23,7 @@ from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 GUIDE = "Disable debugging APIs"
 ANOMALY_NAMES = {"detect_anomaly", "set_detect_anomaly"}

@@ -35,7 +35,7 @@ from .loader.rebuild import plan_for
 from .loader.target import locate
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation, SyncedForwards
+    from ..probe.observation import Observation, SyncedForwards
     from .loader.rebuild import LoaderPlan
 
 GUIDE = "Distributed optimizations"

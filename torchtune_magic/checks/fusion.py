@@ -29,7 +29,7 @@ from .userfuncs import function_locations
 
 if TYPE_CHECKING:
     from ..probe.memory import OpEvent
-    from ..probe.probe import Observation, Scope
+    from ..probe.observation import Observation, Scope
 
 # Pointwise chains must take this share of the cell's time. Measured on a 2-core CPU: a
 # GELU-style chain on a 64x16384 tensor next to a matmul sized to vary its share, compiling

@@ -23,7 +23,7 @@ from ..report import CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 MAX_CONVS = 16  # convs micro-timed per model
 MICRO_BUDGET_S = 1.5  # wall time for all of a model's per-conv timing

@@ -23,7 +23,7 @@ from .base import Check, Detection
 
 if TYPE_CHECKING:
     from ..kernel.discovery import Location
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _NOT_CARRIED = ("params", "fused", "foreach")

@@ -34,7 +34,7 @@ from . import autocast_edit
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import ModuleUse, Observation
+    from ..probe.observation import ModuleUse, Observation
 
 MATH_MODULES = (
     nn.Linear,

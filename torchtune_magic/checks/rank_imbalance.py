@@ -20,7 +20,7 @@ from .base import Detection
 from .distributed import DistributedCheck
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation, RankWork
+    from ..probe.observation import Observation, RankWork
 
 # the slowest rank's own work at least this much longer than the others' (their median) ...
 SLOWER_BY = 1.2

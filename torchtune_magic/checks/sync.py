@@ -21,7 +21,7 @@ from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")
 LABELS = {

@@ -40,7 +40,7 @@ from .base import Check, Detection
 from .loader import WAIT_SHARE
 
 if TYPE_CHECKING:
-    from ..probe.probe import Observation
+    from ..probe.observation import Observation
 
 TRIAL_BUDGET_S = 1.5  # all candidate counts together
 TIE = 1.05  # counts within 5% of the fastest tie; ties go to fewer threads

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..kernel import allocator, fixes
-from ..probe import memory, probe, steps
+from ..probe import memory, steps
+from ..probe.observation import Observation, StepTrace
 from ..report import Sampling, Stats, Variant
 from . import timing, utilisation
 from .plan import BASELINE, Sampled
@@ -223,9 +224,9 @@ def allocator_drift(configs: list[Config], runs: list[RunTime]) -> str | None:
 
 def sampling(
     sample: steps.SamplePlan | None,
-    trace: probe.StepTrace | None,
+    trace: StepTrace | None,
     count: steps.StepCount | None,
-    obs: probe.Observation,
+    obs: Observation,
 ) -> Sampling | None:
     """How the runs were sampled, for the report (None when whole runs were timed)."""
     if sample is None or trace is None:

@@ -20,7 +20,7 @@ from . import timing
 
 if TYPE_CHECKING:
     from ..checks import Detection
-    from ..probe.probe import Observation, StepTrace
+    from ..probe.observation import Observation, StepTrace
 
 BASELINE = "baseline"  # the configuration with no fix: what every fix is measured against
 # The instrumented probe runs about this much slower than the plain cell (2.16x measured by

@@ -13,7 +13,8 @@ from typing import Any
 from ..cell.workload import Workload, silenced
 from ..distributed import lockstep
 from ..kernel import allocator, discovery, fixes, plain_stack, state
-from ..probe import probe, steps
+from ..probe import steps
+from ..probe.observation import Observation, StepTrace
 from . import losses, time_split, timing
 
 
@@ -69,8 +70,8 @@ class Runner:
     def __init__(
         self,
         workload: Workload,
-        obs: probe.Observation,
-        trace: probe.StepTrace | None,
+        obs: Observation,
+        trace: StepTrace | None,
         start_state: state.Snapshot | None,
         start_switches: state.TorchSwitches,
         stack: plain_stack.PlainStack,

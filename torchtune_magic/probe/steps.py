@@ -60,7 +60,7 @@ from ..kernel.fixes import Patcher
 from . import frameworks
 
 if TYPE_CHECKING:
-    from .probe import Observation, StepTrace
+    from .observation import Observation, StepTrace
 
 WARMUP_STEPS = 2
 MIN_TIMED_STEPS = 3

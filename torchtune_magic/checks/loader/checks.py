@@ -18,7 +18,7 @@ from .target import Target, earlier_edit, locate
 from .trial import TRIAL_BUDGET_S, Epoch, Trial, in_process, pick_workers
 
 if TYPE_CHECKING:
-    from ...probe.probe import LoaderUse, Observation
+    from ...probe.observation import LoaderUse, Observation
 
 WAIT_SHARE = 0.05  # torch-tb-profiler's threshold for "data loading is a bottleneck"
 # Handing a batch from a worker to the main process costs on the order of a millisecond

@@ -16,7 +16,7 @@ from .edits import POSITIONAL, class_names
 
 if TYPE_CHECKING:
     from ...kernel.discovery import Location
-    from ...probe.probe import LoaderUse, Observation
+    from ...probe.observation import LoaderUse, Observation
 
 
 @dataclass

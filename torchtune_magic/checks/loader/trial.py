@@ -19,7 +19,7 @@ from ...distributed import lockstep
 from ...kernel.state import _RNGState
 
 if TYPE_CHECKING:
-    from ...probe.probe import LoaderUse
+    from ...probe.observation import LoaderUse
     from .rebuild import LoaderPlan
 
 TRIAL_BUDGET_S = 3.0  # picking the worker count, all candidates together
