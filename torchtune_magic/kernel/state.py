@@ -24,6 +24,10 @@ try:  # numpy is optional for the guard; torch works without it
 except ImportError:  # pragma: no cover - numpy is a declared dependency
     np = None
 
+# A snapshot may take up to this share of free host memory; past it the state is not kept
+# (the session says so, a plain sample is not taken).
+SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5
+
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     """Held while measuring, dropped after: kept out of malloc (see allocator.outside_copy)."""
@@ -334,6 +338,15 @@ class Snapshot:
         full `restore()` still puts them back."""
         return self.python.written_unseen() if self.python is not None else []
 
+    def rebound(self) -> set[str]:
+        """The public names the namespace binds now to another object than at the snapshot,
+        or newly: those a run of the cell (re)bound."""
+        return {
+            name
+            for name, value in self.namespace.items()
+            if not name.startswith("_") and self.bindings.get(name, _MISSING) is not value
+        }
+
     def restore(self, written_only: bool = False) -> None:
         """Rebind names, then write values back into the same objects; with `written_only`,
         not into tensors or big Python containers noted unwritten whose marks are unchanged
@@ -449,3 +462,14 @@ def available_memory_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def too_big(found: dict[int, discovery.Found]) -> tuple[int, int] | None:
+    """(bytes a snapshot of `found` would need, bytes of free host memory) when it would take
+    more than SNAPSHOT_SHARE_OF_FREE_MEMORY of what is free; None when it fits or free
+    memory is unknown."""
+    free = available_memory_bytes()
+    if free is None:
+        return None
+    needed = estimate_bytes(found)
+    return (needed, free) if needed > SNAPSHOT_SHARE_OF_FREE_MEMORY * free else None

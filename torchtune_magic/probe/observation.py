@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from ..cell import loops
 from ..cell.workload import Workload
+from ..distributed import lockstep
 from ..kernel import discovery
 from . import graphs, memory
 from .memory import OpEvent
@@ -342,3 +343,21 @@ class Observation:
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [opt for opt, _ in self.optimizer_steps.values()]
+
+    def uses_cuda(self) -> bool:
+        """The cell's models live on a CUDA device (the first parameter found says)."""
+        for use in self.modules.values():
+            for tensor in use.module.parameters():
+                return tensor.is_cuda
+        return False
+
+    def agreed_across_ranks(self, rank: int, trace: StepTrace | None) -> None:
+        """Under torchrun: every rank's work in the probe (for rank-imbalance and the rank
+        table), and the probe's times as its slowest rank took them (the figures the
+        measuring plan and the first runs' guesses are made from)."""
+        self.rank_work = lockstep.gathered(self.own_work(rank))
+        first_s, last_s = (trace.first_s, trace.last_s) if trace is not None else (None, None)
+        wall_s, first_s, last_s = lockstep.slowest_of([self.wall_s, first_s, last_s])
+        self.wall_s = wall_s if wall_s is not None else self.wall_s
+        if trace is not None:
+            trace.first_s, trace.last_s = first_s, last_s
