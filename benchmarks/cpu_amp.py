@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import cpu
+from torchtune_magic.probe import cpu
 
 HEADER = 'with torch.autocast("cpu", dtype=torch.bfloat16):\n'
 

@@ -18,7 +18,7 @@ Everything runs in a real IPython shell with the extension loaded, as in a noteb
 Which side was off before (10% apart on the anomaly fix, issue 12): the A/B ran after
 perfcheck in the same process, and perfcheck's snapshots had been freed through malloc,
 which raised glibc's mmap threshold, so the plain runs were served differently from the
-runs perfcheck timed. Its copies now live outside malloc (engine/allocator.outside_copy).
+runs perfcheck timed. Its copies now live outside malloc (kernel/allocator.outside_copy).
 Two faults of this benchmark's own were found since: its timer wrapped the cell in two more
 top-level statements, so each A/B run also timed IPython's per-statement work between
 them (~0.15 ms: 10-15% of a 1 ms cell); and it ran the earlier cells in dicts of their
@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.measuring.plan import BASELINE
 from torchtune_magic.measuring.run import Config
 from torchtune_magic.options import Options

@@ -341,7 +341,7 @@ OOM_CAP_BYTES = 6 * 2**30
 
 def run_out_of_memory(out: Path) -> dict[str, Any]:
     """The OOM report of a step that needs ~12 GiB for activations under a 6 GiB cap."""
-    from torchtune_magic.engine.workload import CellError
+    from torchtune_magic.cell.workload import CellError
 
     if not torch.cuda.is_available():
         return {"skipped": "needs CUDA (tests/test_out_of_memory_fits.py covers the CPU)"}

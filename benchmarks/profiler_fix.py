@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import cpu
-from torchtune_magic.engine.memory import _native_stderr_silenced
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.options import Options
+from torchtune_magic.probe import cpu
+from torchtune_magic.probe.memory import _native_stderr_silenced
 from torchtune_magic.session import Session
 
 SETUP = """

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchtune_magic.engine import discovery, pystate, state
+from torchtune_magic.kernel import discovery, pystate, state
 
 SETUP = """
 import random

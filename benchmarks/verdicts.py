@@ -1,4 +1,4 @@
-"""How fast and how safely perfcheck's paired rounds reach a verdict (`engine/verdict.py`).
+"""How fast and how safely perfcheck's paired rounds reach a verdict (`measuring/verdict.py`).
 
     python benchmarks/verdicts.py [--json PATH] [--busy] [--checks N] [--aa-rounds N]
 
@@ -43,8 +43,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import timing, verdict
-from torchtune_magic.engine.verdict import Speedup
+from torchtune_magic.measuring import timing, verdict
+from torchtune_magic.measuring.verdict import Speedup
 from torchtune_magic.report import Report
 
 MAX_LOOKS = 40

@@ -8,7 +8,7 @@ numerics verdict, checked against the targets the issue sets. Prints a table (re
 alarms, per-fix numbers) and writes JSON (default `benchmarks/results/zoo.json`).
 
 The budget per cell is 15 s: a speedup is stated once paired rounds give it an interval
-(at least ten rounds, `engine/verdict.py`), and a 0.46 s loader cell with a worker trial
+(at least ten rounds, `measuring/verdict.py`), and a 0.46 s loader cell with a worker trial
 needs about that much; at 4 s the loader and fusion fixes read "not enough time to tell".
 
 Each cell runs in a fresh namespace built by its own "earlier cells" (`setup`), with every

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from torchtune_magic.engine import allocator
+from torchtune_magic.kernel import allocator
 
 TESTS = Path(__file__).resolve().parent
 
 SCRIPT = """
 import json, sys, torch
 from glibc_blocks import mapped
-from torchtune_magic.engine import discovery, numerics, state
+from torchtune_magic.kernel import discovery, state
+from torchtune_magic.measuring import numerics
 MIB = 1 << 20
 model = torch.nn.Module()
 model.weight = torch.nn.Parameter(torch.zeros(4 * MIB))  # 16 MiB, built without temporaries
@@ -122,7 +123,7 @@ OURS = """
 import json, torch
 from torchtune_magic.checks import Detection, registry
 from torchtune_magic.checks.allocator import AllocatorFix
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.options import Options
 from torchtune_magic.session import Session
 cell = '''

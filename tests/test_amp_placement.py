@@ -20,7 +20,7 @@ from workloads import detected, namespace_with
 
 from torchtune_magic.checks import precision
 from torchtune_magic.checks.base import Detection
-from torchtune_magic.engine import cpu
+from torchtune_magic.probe import cpu
 
 SETUP = """
 import torch

@@ -7,8 +7,8 @@ from __future__ import annotations
 from workloads import detected, namespace_with
 
 from torchtune_magic.checks import bounds
-from torchtune_magic.engine import steps
 from torchtune_magic.measuring import plan as plans
+from torchtune_magic.probe import steps
 
 SMALL_CNN = """
 import torch

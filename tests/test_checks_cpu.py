@@ -26,7 +26,8 @@ from torchtune_magic.checks import registry
 from torchtune_magic.checks.allocator import FAULT_SHARE, PLAIN_RUN_S, PLAIN_RUNS
 from torchtune_magic.checks.precision import AMP_TOLERANCE
 from torchtune_magic.checks.threads import LOAD_MIN_WINDOW_S, OTHER_CORE_SHARE, ThreadsFix
-from torchtune_magic.engine import allocator, cpu, load, plain_sample
+from torchtune_magic.kernel import allocator
+from torchtune_magic.probe import cpu, load, plain_sample
 
 TESTS = Path(__file__).resolve().parent
 MLP_SETUP = """
@@ -368,7 +369,7 @@ from glibc_blocks import mapped
 from workloads import detected, namespace_with
 from torchtune_magic.checks import registry
 from torchtune_magic.checks.allocator import AllocatorFix
-from torchtune_magic.engine.verdict import Speedup
+from torchtune_magic.measuring.verdict import Speedup
 from torchtune_magic.measuring import figures
 from torchtune_magic.report import Variant
 torch.set_num_threads(1)  # a busy machine's stalled threads would blur the fault share

@@ -10,7 +10,7 @@ import torch
 from workloads import detected, namespace_with
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine.fixes import FixError
+from torchtune_magic.kernel.fixes import FixError
 
 # the checks of this file (other families, e.g. CPU autocast, may fire on the same cells)
 FIRST_FIVE = "debug-anomaly,debug-profiler,debug-gradcheck,no-grad,zero-grad-none"

@@ -18,8 +18,8 @@ from torchtune_magic.checks import registry
 from torchtune_magic.checks.cuda import CudnnBenchmarkFix, factory_moves
 from torchtune_magic.checks.optimizer import FusedOptimizerFix
 from torchtune_magic.checks.precision import AmpFix, TF32Fix
-from torchtune_magic.engine import utilisation
-from torchtune_magic.engine.probe import HostCopy
+from torchtune_magic.measuring import utilisation
+from torchtune_magic.probe.observation import HostCopy
 from torchtune_magic.render import text
 from torchtune_magic.report import Report, load_schema
 

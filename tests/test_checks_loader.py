@@ -19,7 +19,7 @@ from torchtune_magic.checks.loader.edits import non_blocking_edit, with_keywords
 from torchtune_magic.checks.loader.fixes import PinMemoryFix, WorkersFix
 from torchtune_magic.checks.loader.rebuild import plan_for
 from torchtune_magic.checks.loader.trial import IO_BOUND_CPU_SHARE, MAX_WORKERS
-from torchtune_magic.engine import cpu
+from torchtune_magic.probe import cpu
 from torchtune_magic.session import Session
 
 TRAIN = """

@@ -10,7 +10,7 @@ import torch
 from workloads import detected, namespace_with
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine.fixes import FixError
+from torchtune_magic.kernel.fixes import FixError
 
 VAL_ROWS, WIDTH, HIDDEN = 4096, 256, 4
 SETUP = f"""

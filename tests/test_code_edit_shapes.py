@@ -11,9 +11,9 @@ import tokenize
 
 import pytest
 
+from torchtune_magic.cell import codeedit
 from torchtune_magic.checks import autocast_edit
 from torchtune_magic.checks.loader.edits import POSITIONAL, non_blocking_edit
-from torchtune_magic.engine import codeedit
 
 WORKERS = {"num_workers": "2", "persistent_workers": "True"}
 COURSE = """\

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from torchtune_magic.engine import codeedit
+from torchtune_magic.cell import codeedit
 
 CELL = "a = 1\nwith ctx():\n    x(a)\n    y(a)\nz = 2\n"
 

@@ -131,7 +131,7 @@ def test_beside_a_cpu_bound_process_the_loaders_fix_is_timed_and_never_overclaim
     """Under load every run takes two or more times as long, so the budget holds one to
     four rounds (one, in a fresh clone's full run); a verdict at 99.9 % needs the fix's
     run to beat the baseline's in more rounds than that on a busy machine
-    (`engine/verdict.py`), so the row says what budget would tell instead of a verdict it
+    (`measuring/verdict.py`), so the row says what budget would tell instead of a verdict it
     cannot back."""
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

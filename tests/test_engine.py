@@ -14,10 +14,10 @@ import torch
 from workloads import LOAD_DEPENDENT, namespace_with
 
 from torchtune_magic import perfcheck
+from torchtune_magic.cell.workload import CellError, Workload
 from torchtune_magic.checks.base import Detection
-from torchtune_magic.engine.fixes import Fix, Patcher
-from torchtune_magic.engine.verdict import VERDICTS
-from torchtune_magic.engine.workload import CellError, Workload
+from torchtune_magic.kernel.fixes import Fix, Patcher
+from torchtune_magic.measuring.verdict import VERDICTS
 from torchtune_magic.options import Options, OptionsError
 from torchtune_magic.report import Report, load_schema
 from torchtune_magic.session import Session
@@ -249,7 +249,7 @@ def test_changed_numerics_from_a_nondeterministic_cell_say_so():
 
 
 def test_a_snapshot_that_would_not_fit_is_skipped_with_an_explanation(monkeypatch):
-    from torchtune_magic.engine import state
+    from torchtune_magic.kernel import state
 
     monkeypatch.setattr(state, "available_memory_bytes", lambda: 1024)  # "1 KiB free"
     ns = namespace_with()

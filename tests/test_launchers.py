@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine.launchers import child_process_launcher
+from torchtune_magic.probe.launchers import child_process_launcher
 
 
 def test_a_spawned_training_is_said_and_not_timed(tmp_path: Path) -> None:

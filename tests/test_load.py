@@ -1,4 +1,4 @@
-"""The load meter (engine/load.py) with real processes: another process busy on our CPUs
+"""The load meter (probe/load.py) with real processes: another process busy on our CPUs
 reads as other load; our own busy loop, and children we start as workers, do not.
 
 The machine these run on may be busy with other people's work, which the meter rightly
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from busy_process import BUSY, other_busy_process
 
-from torchtune_magic.engine import load, probe
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.cell.workload import Workload
+from torchtune_magic.probe import load, probe
 
 pytestmark = pytest.mark.skipif(load.reading() is None, reason="needs /proc (Linux)")
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")

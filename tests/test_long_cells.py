@@ -19,7 +19,7 @@ import torch
 from workloads import namespace_with
 
 from torchtune_magic import perfcheck, session
-from torchtune_magic.engine import steps
+from torchtune_magic.probe import steps
 from torchtune_magic.render import summary
 from torchtune_magic.report import Report
 
@@ -320,7 +320,7 @@ def test_findings_are_published_before_any_number_then_numbers_stream_in() -> No
 
 
 def test_a_retime_keeps_what_the_user_did_since_the_cell() -> None:
-    from torchtune_magic.engine.workload import Workload
+    from torchtune_magic.cell.workload import Workload
     from torchtune_magic.options import Options
     from torchtune_magic.session import Session
 

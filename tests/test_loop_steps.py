@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from torchtune_magic import perfcheck, session
-from torchtune_magic.engine import loops, probe, steps
-from torchtune_magic.engine.workload import CellError, Workload
+from torchtune_magic.cell import loops
+from torchtune_magic.cell.workload import CellError, Workload
+from torchtune_magic.probe import probe, steps
+from torchtune_magic.probe.recorder import PROBE_MIN_STEPS, PROFILED_STEPS_MOST
 
 RAW_SETUP = """
 import torch
@@ -114,7 +116,7 @@ def test_a_probe_stopped_at_its_first_chance_still_takes_the_training_loop_for_t
     assert obs.stopped_early
     trace = obs.leading_step()
     assert trace is not None and trace.obj.header == "for i in range(max_steps)"
-    assert trace.count == probe.PROBE_MIN_STEPS
+    assert trace.count == PROBE_MIN_STEPS
     count = steps.count_steps(obs, trace)
     assert count.total == 41, count
 
@@ -128,7 +130,7 @@ def test_the_profiler_covers_a_few_dozen_steps_of_a_loop_of_small_ops_not_second
     assert obs.profiled_s is not None  # our profiler stopped before the cell ended
     # one tanh a step: the op stream holds the profiled steps' ops, not the cell's 401
     tanhs = sum(op.name == "aten::tanh" for op in obs.ops or [])
-    assert probe.PROFILED_STEPS_MOST - 1 <= tanhs <= probe.PROFILED_STEPS_MOST + 1, tanhs
+    assert PROFILED_STEPS_MOST - 1 <= tanhs <= PROFILED_STEPS_MOST + 1, tanhs
 
 
 @pytest.mark.parametrize(

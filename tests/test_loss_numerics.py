@@ -16,7 +16,9 @@ from workloads import namespace_with
 
 from torchtune_magic import perfcheck
 from torchtune_magic.checks import precision
-from torchtune_magic.engine import applied, cpu, losses, numerics
+from torchtune_magic.kernel import applied
+from torchtune_magic.measuring import losses, numerics
+from torchtune_magic.probe import cpu
 from torchtune_magic.render import html, summary, text
 from torchtune_magic.report import FASTER, Numerics, Report, Variant, load_schema
 

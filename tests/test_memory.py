@@ -12,7 +12,7 @@ import pytest
 from test_checks_checkpointing import DEEP_MLP, STEP, namespace
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine.workload import CellError
+from torchtune_magic.cell.workload import CellError
 from torchtune_magic.render import summary, text
 from torchtune_magic.report import Report
 

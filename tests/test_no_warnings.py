@@ -29,8 +29,8 @@ from torchtune_magic import perfcheck
 from torchtune_magic.checks.ddp_settings import BucketViewFix, FindUnusedFix, plan_for
 from torchtune_magic.checks.distributed import DistributedSamplerFix
 from torchtune_magic.checks.loader.rebuild import plan_for as loader_plan_for
-from torchtune_magic.engine.discovery import walk
-from torchtune_magic.engine.fixes import Fix
+from torchtune_magic.kernel.discovery import walk
+from torchtune_magic.kernel.fixes import Fix
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available(), reason="torch built without torch.distributed"

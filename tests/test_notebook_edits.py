@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from torchtune_magic.engine import history
+from torchtune_magic.cell import history
+from torchtune_magic.cell.notebook import Inputs, Notebook
 from torchtune_magic.report import Report, load_schema
 
 CLASS_CELL = """class Net(nn.Module):
@@ -160,7 +161,7 @@ def test_the_optimizer_constructor_gets_fused_and_its_scheduler_is_rebuilt_with_
     """`fused-optimizer` is a CUDA check; its permanent change goes through the same lookup,
     run here on a real optimizer from a real shell's history."""
     counts = _cells(ip)
-    notebook = history.Notebook("", "", None, _inputs(ip))
+    notebook = Notebook("", "", None, _inputs(ip))
     edit = history.keyword_edit(notebook, ip.user_ns, ["opt"], {"fused": "True"})
     assert edit is not None and edit.execution_count == counts["model"] and edit.line == 2
     rebuilt, left = history.rebuilds(notebook, [("fused-optimizer", edit)])
@@ -173,7 +174,7 @@ def test_the_optimizer_constructor_gets_fused_and_its_scheduler_is_rebuilt_with_
     )
     # a name bound some other way since (a loop, a tuple) is not followed to an older cell
     ip.run_cell("for opt in [opt]:\n    pass", store_history=True)
-    later = history.Notebook("", "", None, _inputs(ip))
+    later = Notebook("", "", None, _inputs(ip))
     assert history.keyword_edit(later, ip.user_ns, ["opt"], {"fused": "True"}) is None
 
 
@@ -287,6 +288,6 @@ def test_anomaly_mode_turned_on_in_the_checked_cell_is_removed_from_it(ip):
     assert finding.code_change.cells == [cell]
 
 
-def _inputs(ip) -> history.Inputs:
+def _inputs(ip) -> Inputs:
     """The shell's stored cells, the last one having the count before the next prompt's."""
-    return history.Inputs.of_history(ip.history_manager, ip.execution_count - 1)
+    return Inputs.of_history(ip.history_manager, ip.execution_count - 1)

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from torch import nn
     from torchtune_magic import perfcheck
-    from torchtune_magic.engine.workload import CellError
+    from torchtune_magic.cell.workload import CellError
     from torchtune_magic.render import text
 
     torch.set_num_threads(1)  # thread stacks come out of the capped address space too

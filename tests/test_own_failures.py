@@ -21,8 +21,8 @@ from workloads import namespace_with
 
 from torchtune_magic import perfcheck
 from torchtune_magic import session as session_module
-from torchtune_magic.checks import autograd, registry
-from torchtune_magic.engine import cellchanges, numerics
+from torchtune_magic.checks import autograd, cellchanges, registry
+from torchtune_magic.measuring import numerics
 from torchtune_magic.measuring.runs import Runs
 from torchtune_magic.render import html, text
 

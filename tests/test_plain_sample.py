@@ -1,4 +1,4 @@
-"""Short plain runs of a cell (engine/plain_sample.py): stopped at their limit wherever the
+"""Short plain runs of a cell (probe/plain_sample.py): stopped at their limit wherever the
 cell is, the kernel's state put back after each, nothing left armed afterwards."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from torchtune_magic.engine import plain_sample
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.cell.workload import Workload
+from torchtune_magic.probe import plain_sample
 
 FOREVER = """
 seen = []

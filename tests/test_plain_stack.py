@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import plain_stack
+from torchtune_magic.kernel import plain_stack
 from torchtune_magic.report import Report
 
 SETUP = """

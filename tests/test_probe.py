@@ -8,8 +8,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 from workloads import namespace_with
 
-from torchtune_magic.engine import probe
-from torchtune_magic.engine.workload import CellError, Workload
+from torchtune_magic.cell.workload import CellError, Workload
+from torchtune_magic.probe import probe
 
 
 def _global_state() -> tuple:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from workloads import namespace_with
 
-from torchtune_magic.engine import discovery, pystate, state
+from torchtune_magic.kernel import discovery, pystate, state
 
 MAKEMORE_SETUP = """
 import collections

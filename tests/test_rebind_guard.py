@@ -18,10 +18,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 from workloads import detected, namespace_with
 
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.checks.optimizer import FusedOptimizerFix
-from torchtune_magic.engine.discovery import Location, Step
-from torchtune_magic.engine.fixes import FixError, Patcher, Rebound
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.kernel.discovery import Location, Step
+from torchtune_magic.kernel.fixes import FixError, Patcher, Rebound
 from torchtune_magic.options import Options
 from torchtune_magic.report import Report
 from torchtune_magic.session import Session

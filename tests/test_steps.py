@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchtune_magic.engine import steps
+from torchtune_magic.probe import steps
 
 
 def _total(cell: str, line: int, namespace: dict, **kwargs) -> tuple[int | None, list[str]]:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from workloads import namespace_with
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import time_split
+from torchtune_magic.measuring import time_split
 from torchtune_magic.render import html, text
 from torchtune_magic.report import Report, load_schema
 

@@ -14,11 +14,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.checks.autograd import NoGradFix
 from torchtune_magic.checks.base import Detection
 from torchtune_magic.checks.debug import AnomalyOffFix, ProfilersOffFix
-from torchtune_magic.engine.fixes import Fix
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.kernel.fixes import Fix
 from torchtune_magic.options import Options
 from torchtune_magic.report import Finding
 from torchtune_magic.session import Session

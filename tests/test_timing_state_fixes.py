@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from torchtune_magic import perfcheck
-from torchtune_magic.engine import discovery, state, timing
-from torchtune_magic.engine.fixes import Patcher
+from torchtune_magic.kernel import discovery, state
+from torchtune_magic.kernel.fixes import Patcher
+from torchtune_magic.measuring import timing
 from torchtune_magic.render import text
 
 

@@ -257,7 +257,7 @@ COMPOSED = """
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torchtune_magic.checks.ddp_settings import BucketViewFix, FindUnusedFix, plan_for
-from torchtune_magic.engine.discovery import walk
+from torchtune_magic.kernel.discovery import walk
 dist.init_process_group("gloo", init_method="tcp://localhost:%d", rank=0, world_size=1)
 model = DistributedDataParallel(torch.nn.Linear(4, 4), find_unused_parameters=True)
 ns = {"model": model}

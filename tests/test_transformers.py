@@ -22,7 +22,9 @@ from workloads import detected, namespace_with
 
 from torchtune_magic import perfcheck, session
 from torchtune_magic.checks.loader.fixes import TrainerPinMemoryFix, TrainerWorkersFix
-from torchtune_magic.engine import fixes, frameworks, steps
+from torchtune_magic.kernel import fixes
+from torchtune_magic.kernel.trainers import HFTrainer
+from torchtune_magic.probe import frameworks, steps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub, whatever a test builds
 pytest.importorskip("transformers")
@@ -150,7 +152,7 @@ def test_the_workers_fix_swaps_the_trainers_arguments_and_undoes_exactly(
     assert trainer.args is args
 
     # the user assigns arguments of their own: applying refuses, nothing changes
-    mine = trainer.args = frameworks.ArgsPlan(frameworks.HFTrainer("trainer", trainer)).args_for(
+    mine = trainer.args = frameworks.ArgsPlan(HFTrainer("trainer", trainer)).args_for(
         {"dataloader_num_workers": 1}
     )
     with pytest.raises(fixes.FixError, match="rebound since the probe"):
@@ -179,7 +181,7 @@ def test_fixes_on_one_trainers_arguments_compose_in_any_order(tmp_path: Path) ->
     user's own object."""
     ns = notebook(trainer_cell(), tmp_path)
     trainer, args = ns["trainer"], ns["args"]
-    plan = frameworks.args_plan(frameworks.HFTrainer("trainer", trainer))
+    plan = frameworks.args_plan(HFTrainer("trainer", trainer))
     workers = TrainerWorkersFix(
         {"dataloader_num_workers": 2, "dataloader_persistent_workers": True}, plan
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from torchtune_magic.engine import verdict
-from torchtune_magic.engine.verdict import Speedup
+from torchtune_magic.measuring import verdict
+from torchtune_magic.measuring.verdict import Speedup
 
 NO_CHANGE, FAST = "no clear change", "faster"
 

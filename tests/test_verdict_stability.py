@@ -16,9 +16,9 @@ import torch
 from busy_process import other_busy_process
 from workloads import namespace_with
 
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.checks.base import Detection
-from torchtune_magic.engine.fixes import Fix, Patcher
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.kernel.fixes import Fix, Patcher
 from torchtune_magic.options import Options
 from torchtune_magic.report import Finding
 from torchtune_magic.session import Session

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from workloads import LOAD_DEPENDENT
 
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.checks import Detection
-from torchtune_magic.engine.fixes import Fix, Patcher
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.kernel.fixes import Fix, Patcher
 from torchtune_magic.options import Options
 from torchtune_magic.render.widget import Panel
 from torchtune_magic.report import MIME_TYPE, Finding, Report

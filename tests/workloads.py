@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from torchtune_magic.engine.workload import Workload
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.options import Options
 from torchtune_magic.session import Session
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .engine.timing import Progress
+from .measuring.timing import Progress
 from .options import Options
 from .report import Report
 
@@ -35,8 +35,8 @@ def perfcheck(
     `on_report` receives the report as it grows: findings first, then numbers as they are
     measured, then the cell's complete run.
     """
-    from .engine import allocator
-    from .engine.workload import Workload
+    from .cell.workload import Workload
+    from .kernel import allocator
     from .session import Session
 
     if namespace is None:

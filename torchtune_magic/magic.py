@@ -20,8 +20,10 @@ from IPython.core.magic_arguments import (
     parse_argstring,
 )
 
-from .engine import allocator, history
-from .engine.workload import CellError, Workload
+from .cell import history
+from .cell.notebook import Inputs, Notebook
+from .cell.workload import CellError, Workload
+from .kernel import allocator
 from .options import Options, OptionsError
 from .report import Report, count
 from .session import Session
@@ -181,10 +183,10 @@ class PerfcheckMagics(Magics):
             ):
                 header, _, body = stored.partition("\n")
                 count = running.execution_count
-                inputs = history.Inputs.of_history(manager, count)
+                inputs = Inputs.of_history(manager, count)
             else:
-                inputs = history.Inputs.of_history(manager, running.execution_count - 1)
-        notebook = history.Notebook(header, body, count, inputs)
+                inputs = Inputs.of_history(manager, running.execution_count - 1)
+        notebook = Notebook(header, body, count, inputs)
         return Workload.at_line(code, self.shell.user_ns, 2 + dropped, notebook)
 
     def _run(self, workload: Workload, options: Options) -> Report | None:

@@ -38,7 +38,7 @@ OPTIONAL_MEASUREMENT_FIELDS = (
     "budget_to_tell_s",
     "at_most",
 )
-# A fix's speedup read over paired rounds (engine/verdict.py): the interval decides
+# A fix's speedup read over paired rounds (measuring/verdict.py): the interval decides
 FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
 LOSS_FIELDS = (
     "loss_verdict",
@@ -48,6 +48,16 @@ LOSS_FIELDS = (
     "loss_baseline",
     "loss_fix",
 )
+# The parts of `Report.time_split` (`measuring/time_split.py` times them), and the part a
+# finding's fix acts on (`Finding.segment`): here, below the checks and the measuring both
+DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, OTHER = (
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "other",
+)
+TIME_SPLIT_PARTS = (DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, OTHER)
 THROUGHPUT_FIELDS = (
     "flops",
     "flops_breakdown",
@@ -176,7 +186,7 @@ class Numerics:
     max_rel_diff: float | None = None
     detail: str | None = None
     # A training cell's loss per step (the tensor each backward() ran on), the fix's
-    # against the baseline's over the same steps (`engine/losses.py`); None elsewhere.
+    # against the baseline's over the same steps (`measuring/losses.py`); None elsewhere.
     loss_verdict: str | None = None  # "same loss" | "loss changed"
     loss_max_rel_diff: float | None = None  # the largest relative difference at a step
     loss_tolerance: float | None = None  # what the verdict was judged by
@@ -225,7 +235,7 @@ class Variant:
     projected_cell_s: float | None = None  # see Stats.projected_cell_s
     measured_at: str | None = None  # when this measurement finished (ISO 8601, UTC)
     baseline_median_s: float | None = None  # the baseline median its speedup is against
-    # paired rounds (engine/verdict.py): `speedup` is the median of the rounds' ratios, the
+    # paired rounds (measuring/verdict.py): `speedup` is the median of the rounds' ratios, the
     # interval bounds it (null: too few rounds for one), the verdict reads the interval
     speedup_low: float | None = None
     speedup_high: float | None = None
@@ -400,7 +410,7 @@ class Report:
     distributed: Distributed | None = None  # measured under torchrun, over these ranks
     failures: list[OwnFailure] = field(default_factory=list)  # perfcheck's own, contained
     # where the baseline's first measuring run spent its time, seconds by part (data_wait,
-    # forward, backward, optimizer, other: `engine/time_split.py`)
+    # forward, backward, optimizer, other: `measuring/time_split.py`)
     time_split: dict[str, float] | None = None
     # checks whose own trial measured their fix slower here: not findings, said apart
     checked: list[Checked] = field(default_factory=list)

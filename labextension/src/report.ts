@@ -12,7 +12,7 @@ export const SCHEMA_ID = 'torchtune-magic/report/v1';
 /** Speedups in [1, 1 + NO_CHANGE_BAND) read "no clear change" (report.py's band). */
 export const NO_CHANGE_BAND = 0.02;
 
-/** A fix's speedup over paired rounds, read from its interval (engine/verdict.py). */
+/** A fix's speedup over paired rounds, read from its interval (measuring/verdict.py). */
 export type SpeedupVerdict = 'faster' | 'slower' | 'no clear change';
 
 export type Verdict = 'identical' | 'close' | 'changed' | 'not-compared';
@@ -100,7 +100,7 @@ export interface INumerics {
   verdict: Verdict;
   max_rel_diff: number | null;
   detail?: string | null;
-  /** A training cell: the fix's loss per step against the baseline's (engine/losses.py). */
+  /** A training cell: the fix's loss per step against the baseline's (measuring/losses.py). */
   loss_verdict?: 'same loss' | 'loss changed' | null;
   loss_max_rel_diff?: number | null;
   loss_tolerance?: number | null;
@@ -234,7 +234,7 @@ export interface IReport {
   load?: ILoad | null;
   distributed?: IDistributed | null;
   failures?: IOwnFailure[];
-  /** Seconds by part of the baseline's first measuring run (engine/time_split.py). */
+  /** Seconds by part of the baseline's first measuring run (measuring/time_split.py). */
   time_split?: Record<string, number> | null;
 }
 

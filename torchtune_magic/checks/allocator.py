@@ -3,7 +3,7 @@
 Guide, CPU part: "Switch Memory allocator" (jemalloc or tcmalloc through LD_PRELOAD). Under
 glibc's malloc a loop that frees and re-allocates large tensors (activations, gradients set
 to None) can unmap or trim that memory and fault it in again, zero-filled, on the next
-step: 1.7x on an MLP training cell here (`engine/allocator.py`). glibc's thresholds can be
+step: 1.7x on an MLP training cell here (`kernel/allocator.py`). glibc's thresholds can be
 raised at run time (`mallopt`): that is the live fix; jemalloc/tcmalloc is the advice.
 
 Evidence, and why it is re-measured. The probe counts the process's minor page faults over
@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..engine import allocator, plain_sample
-from ..engine.fixes import Fix, Patcher
+from ..kernel import allocator
+from ..kernel.fixes import Fix, Patcher
+from ..probe import plain_sample
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 # Faults costing this share of a plain run are worth a fix. Measured on a 2-core VM (other
 # processes keeping ~1.3 CPUs busy; fresh processes, the fix against none, three pairs):

@@ -21,7 +21,7 @@ import ast
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import codeedit
+from ..cell import codeedit
 
 CLIP_CALLS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"})
 # statements a backward may sit in while its forward ran just before the statement itself

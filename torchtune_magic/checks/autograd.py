@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, discovery
-from ..engine.fixes import Fix, Patcher
-from ..engine.time_split import FORWARD, OTHER
-from ..report import CodeChange, count
+from ..cell import codeedit
+from ..kernel import discovery
+from ..kernel.fixes import Fix, Patcher
+from ..report import FORWARD, OTHER, CodeChange, count
 from . import bounds
 from .base import Check, Detection, size_text
 from .userfuncs import function_locations
 
 if TYPE_CHECKING:
-    from ..engine.graphs import GraphSite
-    from ..engine.probe import Observation
+    from ..probe.graphs import GraphSite
+    from ..probe.observation import Observation
 
 
 def _lines_text(lines: list[int]) -> str:

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from ..engine.fixes import Fix
-from ..engine.history import Edit
+from ..cell.history import Edit
+from ..kernel.fixes import Fix
 from ..report import Checked, Finding, Variant
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 GUIDE_URL = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA"}

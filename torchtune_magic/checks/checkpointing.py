@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..engine import frameworks
-from ..engine.fixes import Fix, Patcher
-from ..engine.history import CallEdit
-from ..engine.state import available_memory_bytes
+from ..cell.history import CallEdit
+from ..kernel.fixes import Fix, Patcher
+from ..kernel.state import available_memory_bytes
+from ..probe import frameworks
 from ..report import CodeChange
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 MIN_BLOCKS = 3
 DEVICE_SHARE = 0.5  # peak above this share of the device's (free) memory: memory-bound

@@ -15,15 +15,15 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..engine import discovery, history
-from ..engine.fixes import Fix, Patcher
-from ..engine.time_split import FORWARD
-from ..report import CodeChange, count
+from ..cell import history
+from ..kernel import discovery
+from ..kernel.fixes import Fix, Patcher
+from ..report import FORWARD, CodeChange, count
 from . import bounds
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 BIAS_POSITION = 7  # Conv1d/2d/3d(in, out, kernel_size, stride, padding, dilation, groups, bias)

@@ -14,15 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..engine import codeedit
-from ..engine.fixes import Fix, Patcher
-from ..engine.time_split import FORWARD, OTHER
-from ..report import CodeChange, count
+from ..cell import codeedit
+from ..kernel.fixes import Fix, Patcher
+from ..report import FORWARD, OTHER, CodeChange, count
 from .base import Check, Detection, size_text
 from .loader import lines_text, non_blocking_edit
 
 if TYPE_CHECKING:
-    from ..engine.probe import HostCopy, Observation
+    from ..probe.observation import HostCopy, Observation
 
 
 # cudnn-benchmark ------------------------------------------------------------------------------

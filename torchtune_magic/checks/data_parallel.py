@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..engine.time_split import FORWARD
-from ..report import CodeChange, count
+from ..report import FORWARD, CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 
 class DataParallelCheck(Check):

@@ -31,17 +31,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ..engine import frameworks
-from ..engine.fixes import Fix, Patcher, expect, patched, replace_held
-from ..engine.time_split import BACKWARD, FORWARD
-from ..report import CodeChange
+from ..kernel.fixes import Fix, Patcher, expect, patched, replace_held
+from ..probe import frameworks
+from ..report import BACKWARD, FORWARD, CodeChange
 from .base import Detection, size_text
 from .distributed import DistributedCheck, model_name
 
 if TYPE_CHECKING:
-    from ..engine.discovery import Location
-    from ..engine.history import CallEdit
-    from ..engine.probe import Observation, SyncedForwards
+    from ..cell.history import CallEdit
+    from ..kernel.discovery import Location
+    from ..probe.observation import Observation, SyncedForwards
 
 # the same sums over the ranks, bucketed another way
 SETTINGS_TOLERANCE = 1e-5

@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..engine import codeedit, history
-from ..engine.fixes import Fix, FixError, Patcher, patched
-from ..engine.memory import _native_stderr_silenced
-from ..engine.time_split import BACKWARD, FORWARD, OTHER
-from ..report import CodeChange, count
+from ..cell import codeedit, history
+from ..kernel.fixes import Fix, FixError, Patcher, patched
+from ..probe.memory import _native_stderr_silenced
+from ..report import BACKWARD, FORWARD, OTHER, CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 GUIDE = "Disable debugging APIs"
 ANOMALY_NAMES = {"detect_anomaly", "set_detect_anomaly"}

@@ -28,15 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
 
-from ..engine.fixes import Fix, Patcher
-from ..engine.time_split import BACKWARD
-from ..report import CodeChange, count
+from ..kernel.fixes import Fix, Patcher
+from ..report import BACKWARD, CodeChange, count
 from .base import Check, Detection, size_text
 from .loader.rebuild import plan_for
 from .loader.target import locate
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation, SyncedForwards
+    from ..probe.observation import Observation, SyncedForwards
     from .loader.rebuild import LoaderPlan
 
 GUIDE = "Distributed optimizations"

@@ -18,15 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, discovery, frameworks, lockstep
-from ..engine.fixes import Fix, Patcher
-from ..engine.time_split import FORWARD, OTHER
-from ..report import CodeChange, count
+from ..cell import codeedit
+from ..distributed import lockstep
+from ..kernel import discovery
+from ..kernel.fixes import Fix, Patcher
+from ..probe import frameworks
+from ..report import FORWARD, OTHER, CodeChange, count
 from .base import Check, Detection
 from .userfuncs import function_locations
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation, OpEvent, Scope
+    from ..probe.memory import OpEvent
+    from ..probe.observation import Observation, Scope
 
 # Pointwise chains must take this share of the cell's time. Measured on a 2-core CPU: a
 # GELU-style chain on a 64x16384 tensor next to a matmul sized to vary its share, compiling

@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import lockstep
-from ..engine.fixes import Fix, Patcher
-from ..engine.time_split import FORWARD
-from ..engine.workload import synchronize
-from ..report import SLOWER_HERE, Checked, CodeChange, count
+from ..cell.workload import synchronize
+from ..distributed import lockstep
+from ..kernel.fixes import Fix, Patcher
+from ..report import FORWARD, SLOWER_HERE, Checked, CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 MAX_CONVS = 16  # convs micro-timed per model
 MICRO_BUDGET_S = 1.5  # wall time for all of a model's per-conv timing

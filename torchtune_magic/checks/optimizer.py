@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, history
-from ..engine.fixes import Fix, Patcher
-from ..engine.time_split import OPTIMIZER
-from ..report import CodeChange, count
+from ..cell import codeedit, history
+from ..kernel.fixes import Fix, Patcher
+from ..report import OPTIMIZER, CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.discovery import Location
-    from ..engine.probe import Observation
+    from ..kernel.discovery import Location
+    from ..probe.observation import Observation
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _NOT_CARRIED = ("params", "fused", "foreach")

@@ -6,7 +6,7 @@ measured numerics verdict next to the speedup.
 
 The detection reads what the probe saw (math modules called in float32 with autocast off,
 the profiler's matmul/conv op counts and times). On a CPU, `amp` applies only where the CPU
-runs bf16 in hardware (AMX, AVX512-BF16, Arm BF16: `engine/cpu.py`) and only when matmuls
+runs bf16 in hardware (AMX, AVX512-BF16, Arm BF16: `probe/cpu.py`) and only when matmuls
 and convolutions are a real share of the cell: elsewhere the casts cost more than bf16
 saves. bf16 needs no loss scaling, so a CPU training cell gets autocast alone.
 """
@@ -23,16 +23,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..engine import codeedit, cpu, discovery, frameworks, history, lockstep
-from ..engine.fixes import Fix, Patcher, patched
-from ..engine.history import CallEdit
-from ..engine.time_split import FORWARD
-from ..report import CodeChange, count
+from ..cell import codeedit, history
+from ..cell.history import CallEdit
+from ..distributed import lockstep
+from ..kernel import discovery
+from ..kernel.fixes import Fix, Patcher, patched
+from ..probe import cpu, frameworks
+from ..report import FORWARD, CodeChange, count
 from . import autocast_edit
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import ModuleUse, Observation
+    from ..probe.observation import ModuleUse, Observation
 
 MATH_MODULES = (
     nn.Linear,

@@ -15,13 +15,12 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from ..engine.time_split import DATA_WAIT
-from ..report import CodeChange
+from ..report import DATA_WAIT, CodeChange
 from .base import Detection
 from .distributed import DistributedCheck
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation, RankWork
+    from ..probe.observation import Observation, RankWork
 
 # the slowest rank's own work at least this much longer than the others' (their median) ...
 SLOWER_BY = 1.2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from ..engine.applied import settled_without_win
+from ..kernel.applied import settled_without_win
 from ..report import NotApplicable, Variant
 from .base import Check, Detection
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ..engine.time_split import OTHER
-from ..report import CodeChange, count
+from ..report import OTHER, CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")
 LABELS = {

@@ -30,15 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import codeedit, cpu, load, lockstep
-from ..engine.fixes import Fix, Patcher
+from ..cell import codeedit
+from ..distributed import lockstep
+from ..kernel.fixes import Fix, Patcher
+from ..probe import cpu, load
 from ..report import CodeChange, count
 from . import proxy
 from .base import Check, Detection
 from .loader import WAIT_SHARE
 
 if TYPE_CHECKING:
-    from ..engine.probe import Observation
+    from ..probe.observation import Observation
 
 TRIAL_BUDGET_S = 1.5  # all candidate counts together
 TIE = 1.05  # counts within 5% of the fastest tie; ties go to fewer threads

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..engine import discovery
+from ..kernel import discovery
 
 
 def function_locations(

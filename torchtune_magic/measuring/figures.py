@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine import allocator, fixes, memory, probe, steps, timing, utilisation
-from ..engine.verdict import Speedup
+from ..kernel import allocator, fixes
+from ..probe import memory, steps
+from ..probe.observation import Observation, StepTrace
 from ..report import Sampling, Stats, Variant
+from . import timing, utilisation
 from .plan import BASELINE, Sampled
+from .verdict import Speedup
 
 if TYPE_CHECKING:
     from .run import Config, RunTime
@@ -221,9 +224,9 @@ def allocator_drift(configs: list[Config], runs: list[RunTime]) -> str | None:
 
 def sampling(
     sample: steps.SamplePlan | None,
-    trace: probe.StepTrace | None,
+    trace: StepTrace | None,
     count: steps.StepCount | None,
-    obs: probe.Observation,
+    obs: Observation,
 ) -> Sampling | None:
     """How the runs were sampled, for the report (None when whole runs were timed)."""
     if sample is None or trace is None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ..engine import discovery, fixes, memory, oom, state
-from ..engine.workload import CellError
+from ..cell.workload import CellError
+from ..kernel import discovery, fixes, state
+from ..probe import memory, oom
 from ..report import Variant
 from . import figures
 from .run import Config, Runner

@@ -12,13 +12,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..engine import lockstep, steps, timing
+from ..distributed import lockstep
 from ..options import Options
+from ..probe import steps
 from ..report import NO_CHANGE_BAND
+from . import timing
 
 if TYPE_CHECKING:
     from ..checks import Detection
-    from ..engine.probe import Observation, StepTrace
+    from ..probe.observation import Observation, StepTrace
 
 BASELINE = "baseline"  # the configuration with no fix: what every fix is measured against
 # The instrumented probe runs about this much slower than the plain cell (2.16x measured by

@@ -10,21 +10,13 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import (
-    allocator,
-    discovery,
-    fixes,
-    lockstep,
-    losses,
-    plain_stack,
-    probe,
-    state,
-    steps,
-    time_split,
-    timing,
-)
-from ..engine.workload import Workload, silenced
+from ..cell.workload import Workload, silenced
+from ..distributed import lockstep
+from ..kernel import allocator, discovery, fixes, plain_stack, state
+from ..probe import steps
+from ..probe.observation import Observation, StepTrace
 from ..report import count
+from . import losses, time_split, timing
 
 
 @dataclass
@@ -51,9 +43,9 @@ class RunTime:
     faults: int = 0  # minor page faults during the run
     restart_s: float | None = None  # an epoch restart's cost, where the timed steps held one
     # this rank's own time (per step when sampled); the others are the slowest rank's
-    # under torchrun (`engine/lockstep.py`), this process's alone otherwise
+    # under torchrun (`distributed/lockstep.py`), this process's alone otherwise
     own_s: float | None = None
-    # an observed run's seconds in each part (`engine/time_split.py`)
+    # an observed run's seconds in each part (`measuring/time_split.py`)
     split: dict[str, float] | None = None
 
 
@@ -79,8 +71,8 @@ class Runner:
     def __init__(
         self,
         workload: Workload,
-        obs: probe.Observation,
-        trace: probe.StepTrace | None,
+        obs: Observation,
+        trace: StepTrace | None,
         start_state: state.Snapshot | None,
         start_switches: state.TorchSwitches,
         stack: plain_stack.PlainStack,

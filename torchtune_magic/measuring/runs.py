@@ -20,26 +20,14 @@ from typing import Any
 
 import torch
 
-from ..engine import (
-    discovery,
-    fixes,
-    load,
-    lockstep,
-    losses,
-    memory,
-    numerics,
-    plain_stack,
-    probe,
-    state,
-    steps,
-    timing,
-    utilisation,
-    verdict,
-)
-from ..engine.workload import Workload
+from ..cell.workload import Workload
+from ..distributed import lockstep
+from ..kernel import discovery, fixes, plain_stack, state
 from ..options import Options
+from ..probe import load, memory, steps
+from ..probe.observation import Observation, StepTrace
 from ..report import MachineLoad, Numerics, RankTime, Variant
-from . import figures
+from . import figures, losses, numerics, timing, utilisation, verdict
 from . import plan as plans
 from .plan import BASELINE, PROBE_SLOWDOWN, MeasuringPlan
 from .run import Config, Runner, RunTime
@@ -96,8 +84,8 @@ class Runs:
     def __init__(
         self,
         workload: Workload,
-        obs: probe.Observation,
-        trace: probe.StepTrace | None,
+        obs: Observation,
+        trace: StepTrace | None,
         count: steps.StepCount | None,
         options: Options,
         start_state: state.Snapshot | None,

@@ -398,7 +398,7 @@ def distributed_line(report: Report) -> str:
     )
 
 
-# the parts of a run's time split (`engine/time_split.py`), in order, as a user reads them
+# the parts of a run's time split (`measuring/time_split.py`), in order, as a user reads them
 SPLIT_PARTS = (
     ("data_wait", "data wait"),
     ("forward", "forward"),

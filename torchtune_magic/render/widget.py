@@ -32,8 +32,8 @@ import anywidget
 import traitlets
 from IPython.display import display, update_display
 
-from ..engine import allocator
-from ..engine.fixes import FixError
+from ..kernel import allocator
+from ..kernel.fixes import FixError
 from ..report import Report
 from ..session import Session
 from . import bundle

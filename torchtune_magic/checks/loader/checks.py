@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...engine import codeedit, cpu, frameworks, lockstep
-from ...engine.time_split import DATA_WAIT, OTHER
-from ...report import CodeChange, count
+from ...cell import codeedit
+from ...distributed import lockstep
+from ...probe import cpu, frameworks
+from ...report import DATA_WAIT, OTHER, CodeChange, count
 from ..base import Check, Detection
 from .edits import class_names, non_blocking_edit, with_keywords
 from .fixes import PinMemoryFix, TrainerPinMemoryFix, TrainerWorkersFix, WorkersFix
@@ -17,7 +18,7 @@ from .target import Target, earlier_edit, locate
 from .trial import TRIAL_BUDGET_S, Epoch, Trial, in_process, pick_workers
 
 if TYPE_CHECKING:
-    from ...engine.probe import LoaderUse, Observation
+    from ...probe.observation import LoaderUse, Observation
 
 WAIT_SHARE = 0.05  # torch-tb-profiler's threshold for "data loading is a bottleneck"
 # Handing a batch from a worker to the main process costs on the order of a millisecond

@@ -7,7 +7,7 @@ import ast
 
 from torch.utils.data import DataLoader
 
-from ...engine import codeedit
+from ...cell import codeedit
 
 POSITIONAL = {"num_workers": 5, "pin_memory": 7}  # DataLoader's positional parameters
 

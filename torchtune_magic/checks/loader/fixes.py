@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ...engine import codeedit, frameworks, steps
-from ...engine.fixes import Fix, Patcher
+from ...cell import codeedit
+from ...kernel.fixes import Fix, Patcher
+from ...probe import frameworks, steps
 
 if TYPE_CHECKING:
     from .rebuild import LoaderPlan

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ...engine import fixes
-from ...engine.fixes import Fix
+from ...kernel import fixes
+from ...kernel.fixes import Fix
 
 if TYPE_CHECKING:
-    from ...engine.discovery import Location
+    from ...kernel.discovery import Location
 
 
 def constructor_kwargs(loader: DataLoader) -> dict[str, Any]:

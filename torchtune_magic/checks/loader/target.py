@@ -9,12 +9,14 @@ import ast
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...engine import codeedit, frameworks, history
+from ...cell import codeedit, history
+from ...kernel import trainers
+from ...probe import frameworks
 from .edits import POSITIONAL, class_names
 
 if TYPE_CHECKING:
-    from ...engine.discovery import Location
-    from ...engine.probe import LoaderUse, Observation
+    from ...kernel.discovery import Location
+    from ...probe.observation import LoaderUse, Observation
 
 
 @dataclass
@@ -28,7 +30,7 @@ class Target:
     unreachable: str | None  # why a live fix cannot reach it, if it cannot
     # a Hugging Face Trainer from an earlier cell that builds the loader from its arguments
     # on each call (`trainer.train()`): fixes go through those arguments
-    trainer: frameworks.HFTrainer | None = None
+    trainer: trainers.HFTrainer | None = None
 
 
 def locate(obs: Observation, use: LoaderUse) -> Target:

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import DataLoader
 
-from ...engine import lockstep
-from ...engine.state import _RNGState
+from ...distributed import lockstep
+from ...kernel.state import _RNGState
 
 if TYPE_CHECKING:
-    from ...engine.probe import LoaderUse
+    from ...probe.observation import LoaderUse
     from .rebuild import LoaderPlan
 
 TRIAL_BUDGET_S = 3.0  # picking the worker count, all candidates together

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from ..kernel import allocator
 from ..report import Numerics
-from . import allocator, losses
+from . import losses
 
 Outputs = dict[str, torch.Tensor]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .workload import Workload
+from ..cell.workload import Workload
 
 WALKED_PER_SITE = 2  # forwards per site whose graph is walked for its saved tensors
 MAX_NODES = 20_000  # nodes walked per graph, at most

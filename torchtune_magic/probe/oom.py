@@ -11,8 +11,8 @@ import types
 
 import torch
 
+from ..cell.workload import Workload
 from ..report import OutOfMemory
-from .workload import Workload
 
 _CPU_ASKED = re.compile(r"you tried to allocate (\d+) bytes")
 _CUDA_ASKED = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]i?B)")

@@ -13,15 +13,22 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .probe import OpEvent
-
 CUDA_LABEL = "peak CUDA tensor memory allocated during the run (torch.cuda.max_memory_allocated)"
 CPU_LABEL = "peak CPU tensor memory allocated during the run (torch allocator, via the profiler)"
+
+
+@dataclass
+class OpEvent:
+    """A top-level operator from the profiler stream (times in microseconds): read here
+    from the profiled run's tree, with its memory events."""
+
+    name: str
+    start_us: float
+    end_us: float
+    self_us: float
 
 
 @dataclass
@@ -147,8 +154,6 @@ def _warm_up_profiler_once() -> None:
 def _read_tree(roots: list, result: Profile) -> None:
     """Top-level ops, self time per op name, and the CPU allocator's peak above its start."""
     from torch._C._profiler import _ExtraFields_Allocation, _ExtraFields_TorchOp
-
-    from .probe import OpEvent
 
     allocations: list[tuple[int, int, int]] = []  # (time, pointer, bytes: < 0 for a free)
 

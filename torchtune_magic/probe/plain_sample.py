@@ -25,11 +25,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import allocator, discovery, state
-from .workload import CellError, Workload, silenced
+from ..cell.workload import CellError, Workload, silenced
+from ..kernel import allocator, discovery, state
 
 # a snapshot larger than this share of free host memory is not taken (nor are the runs)
-SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5
 LANDING_S = 0.1  # how long a pending trip is waited for (it lands within microseconds)
 
 
@@ -69,8 +68,7 @@ def runs(workload: Workload, count: int, limit_s: float) -> list[Sample] | None:
     if not _can_stop():
         return None
     found = discovery.walk(workload.namespace)
-    free = state.available_memory_bytes()
-    if free is not None and state.estimate_bytes(found) > SNAPSHOT_SHARE_OF_FREE_MEMORY * free:
+    if state.too_big(found) is not None:
         return None
     snapshot = state.take(workload.namespace, found, workload.source)
     samples = []

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from . import history, loops
-from .fixes import Patcher
-from .plain_stack import PlainStack
+from ..kernel.fixes import Patcher
+from ..kernel.plain_stack import PlainStack
+from . import loops
+from .notebook import Notebook
 
 _counter = itertools.count(1)
 
@@ -88,7 +89,7 @@ class Workload:
     first_line: int = 1  # the editor line of the cell's first line; `source` is padded to it
     # where the cell sits in the notebook (its text as typed, execution count, the kernel's
     # input history): for the code changes to earlier cells. Default: read from `In`.
-    notebook: history.Notebook | None = None
+    notebook: Notebook | None = None
     _compiled: dict[tuple[str, frozenset[str]], Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,7 +97,7 @@ class Workload:
             self.filename = f"<perfcheck-cell-{next(_counter)}>"
         self.tree = ast.parse(self.source, self.filename)  # SyntaxError surfaces before any run
         if self.notebook is None:
-            self.notebook = history.Notebook.of_namespace(self.cell, self.namespace)
+            self.notebook = Notebook.of_namespace(self.cell, self.namespace)
 
     @classmethod
     def at_line(
@@ -104,7 +105,7 @@ class Workload:
         cell: str,
         namespace: dict[str, Any],
         first_line: int,
-        notebook: history.Notebook | None = None,
+        notebook: Notebook | None = None,
     ) -> Workload:
         """The cell whose first line is the editor's line `first_line` (a SyntaxError
         names the editor's line)."""
@@ -125,7 +126,7 @@ class Workload:
         return "".join(lines[padding:])
 
     def code_for(self, source: str | None = None, loop_keys: frozenset[str] = frozenset()) -> Any:
-        """Compile (once per distinct text and set of instrumented loops, `engine/loops`);
+        """Compile (once per distinct text and set of instrumented loops, `cell/loops`);
         registered in linecache so tracebacks show lines."""
         source = self.source if source is None else source
         code = self._compiled.get((source, loop_keys))
@@ -150,7 +151,7 @@ class Workload:
         """Execute the cell once; seconds of wall time, device work included. `under`: the
         stack a plain run of the cell has, to run it under (`PlainStack.run`); `around`: a
         context entered and left inside the timed run, as code in the cell would be;
-        `loop_keys`: the cell's loops that report each iteration (`engine/loops`)."""
+        `loop_keys`: the cell's loops that report each iteration (`cell/loops`)."""
         __tracebackhide__ = True
         code = self.code_for(source, loop_keys)
         hooked = loops.hook_bound(self.namespace) if loop_keys else contextlib.nullcontext()

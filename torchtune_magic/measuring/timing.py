@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from torch.utils.benchmark import Measurement as _BenchMeasurement
 from torch.utils.benchmark.utils.common import TaskSpec
 
+from ..distributed import lockstep
 from ..report import is_noisy
-from . import lockstep, verdict
+from . import verdict
 from .verdict import Speedup
 
 Progress = Callable[[float, str], None]  # (fraction done 0..1, message)
@@ -103,7 +104,7 @@ class Deadline:
 
     def allows(self, seconds: float) -> bool:
         """Whether something taking `seconds` would end before the deadline; under torchrun,
-        on every rank (what starts must start on all of them: `engine/lockstep.py`)."""
+        on every rank (what starts must start on all of them: `distributed/lockstep.py`)."""
         return not lockstep.any_rank(seconds > self.left())
 
 

@@ -53,12 +53,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import frameworks, lockstep, loops
-from .fixes import Patcher
-from .workload import synchronize
+from ..cell import loops
+from ..cell.workload import synchronize
+from ..distributed import lockstep
+from ..kernel.fixes import Patcher
+from . import frameworks
 
 if TYPE_CHECKING:
-    from .probe import Observation, StepTrace
+    from .observation import Observation, StepTrace
 
 WARMUP_STEPS = 2
 MIN_TIMED_STEPS = 3
@@ -100,7 +102,7 @@ class StepSource:
     @property
     def loop_keys(self) -> frozenset[str]:
         """The loops a run must report iterations of for these steps to be counted (the
-        cell compiled with `engine/loops`' hook in them); none for the other units."""
+        cell compiled with `cell/loops`' hook in them); none for the other units."""
         return frozenset({self.key}) if self.unit == "iteration" else frozenset()
 
 

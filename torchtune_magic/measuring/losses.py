@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .fixes import Patcher
+from ..kernel.fixes import Patcher
 
 # The smallest tolerance a loss curve is judged with. Reordered float32 sums (NHWC
 # kernels, a bias folded away) differ by ~1e-7 relative at the first step and that grows

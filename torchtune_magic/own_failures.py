@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from ..report import OwnFailure
-from .lockstep import RankFailed
-from .workload import CellError
+from .cell.workload import CellError
+from .distributed.lockstep import RankFailed
+from .report import OwnFailure
 
 _Result = TypeVar("_Result")
 

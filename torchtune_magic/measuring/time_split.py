@@ -32,16 +32,9 @@ from typing import Any
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .fixes import Patcher
-
-DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, OTHER = (
-    "data_wait",
-    "forward",
-    "backward",
-    "optimizer",
-    "other",
-)
-PARTS = (DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, OTHER)
+from ..kernel.fixes import Patcher
+from ..report import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, OTHER
+from ..report import TIME_SPLIT_PARTS as PARTS
 
 
 class SplitRecorder:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..cell import codeedit, history
+from ..cell.workload import Workload
 from ..report import CodeChange, NotebookEdits
-from . import codeedit, history
-from .workload import Workload
 
 if TYPE_CHECKING:
-    from ..checks import Detection
+    from .base import Detection
 
 
 def optimized_cell(

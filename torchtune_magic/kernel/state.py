@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
-from . import allocator, discovery, frameworks, pystate
+from . import allocator, discovery, pystate, trainers
 
 try:  # numpy is optional for the guard; torch works without it
     import numpy as np
 except ImportError:  # pragma: no cover - numpy is a declared dependency
     np = None
+
+# A snapshot may take up to this share of free host memory; past it the state is not kept
+# (the session says so, a plain sample is not taken).
+SNAPSHOT_SHARE_OF_FREE_MEMORY = 0.5
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -270,7 +274,7 @@ class Snapshot:
     stateful: list[_StateDictObject] = field(default_factory=list)
     rng: _RNGState | None = None
     switches: TorchSwitches | None = None
-    trainers: frameworks.TrainerState | None = None  # Hugging Face Trainers' bookkeeping
+    trainers: trainers.TrainerState | None = None  # Hugging Face Trainers' bookkeeping
     python: pystate.PyState | None = None  # lists, dicts, attributes, closures, …
     # the tensors a run of the cell was seen to leave as they were (`note_unwritten`)
     unwritten: set[int] = field(default_factory=set)
@@ -333,6 +337,15 @@ class Snapshot:
         in place, a numpy array written, so the runs after that write started from it. A
         full `restore()` still puts them back."""
         return self.python.written_unseen() if self.python is not None else []
+
+    def rebound(self) -> set[str]:
+        """The public names the namespace binds now to another object than at the snapshot,
+        or newly: those a run of the cell (re)bound."""
+        return {
+            name
+            for name, value in self.namespace.items()
+            if not name.startswith("_") and self.bindings.get(name, _MISSING) is not value
+        }
 
     def restore(self, written_only: bool = False) -> None:
         """Rebind names, then write values back into the same objects; with `written_only`,
@@ -434,7 +447,7 @@ def take(
         ],
         rng=_RNGState.capture(generators.values()),
         switches=TorchSwitches.capture(),
-        trainers=frameworks.TrainerState.take(namespace),
+        trainers=trainers.TrainerState.take(namespace),
         python=python,
     )
 
@@ -449,3 +462,14 @@ def available_memory_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def too_big(found: dict[int, discovery.Found]) -> tuple[int, int] | None:
+    """(bytes a snapshot of `found` would need, bytes of free host memory) when it would take
+    more than SNAPSHOT_SHARE_OF_FREE_MEMORY of what is free; None when it fits or free
+    memory is unknown."""
+    free = available_memory_bytes()
+    if free is None:
+        return None
+    needed = estimate_bytes(found)
+    return (needed, free) if needed > SNAPSHOT_SHARE_OF_FREE_MEMORY * free else None
