@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import jsonschema
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -47,7 +48,8 @@ def test_each_part_is_timed_once_where_it_is_outermost():
             opt.zero_grad()
     wall = time.perf_counter() - started
     split = recorder.split()
-    assert split is not None and set(split) == set(time_split.PARTS)
+    # no CUDA device in use: no host syncs to time, and no part for them
+    assert split is not None and set(split) == set(time_split.PARTS) - {"host_sync"}
     # 64 items at 4 ms: the loader's wait is most of the run, and every part is counted
     assert split["data_wait"] >= 0.25
     assert all(split[part] > 0 for part in ("forward", "backward", "optimizer"))
@@ -116,3 +118,20 @@ def test_perfcheck_reports_where_a_loader_bound_cells_time_went():
     assert shares["data_wait"] > 0.5, shares  # 3 ms an item, a tiny model
     assert max(shares, key=shares.__getitem__) == "data_wait"
     assert "where the time went (the baseline's first run): data wait" in text.render(report)
+
+
+@pytest.mark.gpu
+def test_reads_of_a_cuda_tensor_between_the_parts_are_host_syncs():
+    """`.item()` on a CUDA loss after each step waits for the step's kernels: its own part,
+    where a CPU run has none."""
+    model = nn.Linear(256, 256).cuda()
+    x = torch.randn(512, 256, device="cuda")
+    recorder, item = time_split.SplitRecorder(), torch.Tensor.item
+    with recorder.recording():
+        for _ in range(20):
+            loss = model(x).square().mean()
+            loss.backward()
+            loss.item()
+    split = recorder.split()
+    assert split is not None and split["host_sync"] > 0
+    assert torch.Tensor.item is item  # the patch is undone

@@ -49,15 +49,17 @@ LOSS_FIELDS = (
     "loss_fix",
 )
 # The parts of `Report.time_split` (`measuring/time_split.py` times them), and the part a
-# finding's fix acts on (`Finding.segment`): here, below the checks and the measuring both
-DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, OTHER = (
+# finding's fix acts on (`Finding.segment`): here, below the checks and the measuring both.
+# Host syncs are a part only where a CUDA device was in use (absent from a CPU run's split).
+DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, HOST_SYNC, OTHER = (
     "data_wait",
     "forward",
     "backward",
     "optimizer",
+    "host_sync",
     "other",
 )
-TIME_SPLIT_PARTS = (DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, OTHER)
+TIME_SPLIT_PARTS = (DATA_WAIT, FORWARD, BACKWARD, OPTIMIZER, HOST_SYNC, OTHER)
 THROUGHPUT_FIELDS = (
     "flops",
     "flops_breakdown",
@@ -138,7 +140,7 @@ class Finding:
     line: int | None = None
     caveat: str | None = None
     code_change: CodeChange | None = None
-    segment: str | None = None  # data_wait | forward | backward | optimizer | other
+    segment: str | None = None  # one of TIME_SPLIT_PARTS
     details: str | None = None
 
 

@@ -77,7 +77,7 @@ export interface INotebookEdits {
 }
 
 /** A part of the time split (`IReport.time_split`): what a finding's fix acts on. */
-export type Segment = 'data_wait' | 'forward' | 'backward' | 'optimizer' | 'other';
+export type Segment = 'data_wait' | 'forward' | 'backward' | 'optimizer' | 'host_sync' | 'other';
 
 export interface IFinding {
   id: string;

@@ -469,6 +469,7 @@ export const SPLIT_PARTS: [string, string][] = [
   ['forward', 'forward'],
   ['backward', 'backward'],
   ['optimizer', 'optimizer'],
+  ['host_sync', 'host syncs'],
   ['other', 'other']
 ];
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ..report import OTHER, CodeChange, count
+from ..report import HOST_SYNC, CodeChange, count
 from .base import Check, Detection
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class HostSyncCheck(Check):
                 self.finding(
                     evidence=evidence,
                     details=details,
-                    segment=OTHER,  # the cell's own reads, between the parts the split times
+                    segment=HOST_SYNC,  # the reads the split times as host syncs
                     where="cell line"
                     + ("s " if len(lines) > 1 else " ")
                     + ", ".join(map(str, lines)),

@@ -10,13 +10,17 @@ of each part:
 - forward: the outermost module call (a module called inside another is that one's time);
 - backward: `Tensor.backward` / `torch.autograd.backward`;
 - optimizer: `Optimizer.step` (from its pre-hook to its post-hook);
+- host syncs, where a CUDA device is in use: the host waiting for the device in a read
+  of a device tensor (`.item()`, `.tolist()`, `.cpu()`) or a `synchronize()` (of the
+  device, a stream or an event) called outside the other parts;
 - other: the rest of the run (the cell's own Python, metrics, logging, zero_grad).
 
 A part entered inside another (a checkpoint's forward recomputed in the backward, a
 module called by the optimizer) counts as the outer part. The times are the host's: on a
-CUDA device, kernels queued by the forward may run during a later part, and a host sync
-(`.item()`) waits in the part that calls it; nothing here synchronizes, since the first
-run of a sampled measurement is also timed in its first round.
+CUDA device, kernels queued by the forward may run during a later part: the host sync
+that waits for them holds that time (in its own part where the cell calls it between
+the others, in the part that calls it otherwise); nothing here synchronizes, since the
+first run of a sampled measurement is also timed in its first round.
 
 Recording is patches through a `Patcher` and global hooks, active only during the run and
 undone exactly after: per call, two clock reads.
@@ -33,15 +37,19 @@ import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ..kernel.fixes import Patcher
-from ..report import BACKWARD, DATA_WAIT, FORWARD, OPTIMIZER, OTHER
+from ..report import BACKWARD, DATA_WAIT, FORWARD, HOST_SYNC, OPTIMIZER, OTHER
 from ..report import TIME_SPLIT_PARTS as PARTS
+
+# what makes the host wait for a CUDA device: a read of a device tensor's values ...
+SYNCING_READS = ("item", "tolist", "cpu")
 
 
 class SplitRecorder:
     """Seconds spent in each part of one run (`split` once it ended)."""
 
     def __init__(self) -> None:
-        self._seconds = dict.fromkeys(PARTS[:-1], 0.0)
+        # host syncs are a part only where a CUDA device is in use (`recording`)
+        self._seconds = dict.fromkeys((p for p in PARTS if p not in (HOST_SYNC, OTHER)), 0.0)
         self._inside: str | None = None  # the outermost part being timed
         self._entered = 0.0
         self._depth = 0  # nested entries of that part
@@ -71,6 +79,29 @@ class SplitRecorder:
 
         return timed
 
+    def _timed_read(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A tensor method timed as a host sync when its tensor is on a device (a CPU
+        tensor's values are the host's already)."""
+        timed = self._timed(HOST_SYNC, original)
+
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.device.type == "cpu":
+                return original(tensor, *args, **kwargs)
+            return timed(tensor, *args, **kwargs)
+
+        return read
+
+    def _time_host_syncs(self, patcher: Patcher) -> None:
+        """Where a CUDA device is in use: its reads and synchronize calls as host syncs."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        self._seconds[HOST_SYNC] = 0.0
+        for name in SYNCING_READS:
+            patcher.setattr(torch.Tensor, name, self._timed_read(getattr(torch.Tensor, name)))
+        patcher.setattr(torch.cuda, "synchronize", self._timed(HOST_SYNC, torch.cuda.synchronize))
+        for kind in (torch.cuda.Stream, torch.cuda.Event):
+            patcher.setattr(kind, "synchronize", self._timed(HOST_SYNC, kind.synchronize))
+
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Time the parts while inside (entered innermost, like the loss recorder)."""
@@ -96,6 +127,7 @@ class SplitRecorder:
             patcher.setattr(
                 torch.autograd, "backward", self._timed(BACKWARD, torch.autograd.backward)
             )
+            self._time_host_syncs(patcher)
             handles = [
                 register_module_forward_pre_hook(lambda *_: self._enter(FORWARD)),
                 register_module_forward_hook(lambda *_: self._exit(FORWARD), always_call=True),
@@ -127,8 +159,3 @@ def recorded(
     with inner, recorder.recording():
         yield
 
-
-def shares(seconds: dict[str, float]) -> dict[str, float]:
-    """Each part's share of the run (they add up to 1)."""
-    total = sum(seconds.values())
-    return {part: (seconds.get(part, 0.0) / total if total > 0 else 0.0) for part in PARTS}

@@ -340,7 +340,7 @@ def _code_changes(report: Report) -> str:
 
 
 # one colour per part of the time split, in SPLIT_PARTS' order (the view's, too)
-_SPLIT_COLOURS = ("#d9822b", "#4c78a8", "#72b7b2", "#b279a2", "#9d9d9d")
+_SPLIT_COLOURS = ("#d9822b", "#4c78a8", "#72b7b2", "#b279a2", "#eeca3b", "#9d9d9d")
 _PART_COLOURS = dict(zip((key for key, _ in summary.SPLIT_PARTS), _SPLIT_COLOURS, strict=True))
 
 

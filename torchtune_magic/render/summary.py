@@ -404,6 +404,7 @@ SPLIT_PARTS = (
     ("forward", "forward"),
     ("backward", "backward"),
     ("optimizer", "optimizer"),
+    ("host_sync", "host syncs"),
     ("other", "other"),
 )
 
