@@ -36,6 +36,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from torchtune_magic import perfcheck
 from torchtune_magic.measuring import timing, verdict
-from torchtune_magic.measuring.verdict import Speedup
+from torchtune_magic.measuring.verdict import FASTER, SLOWER, Speedup
 from torchtune_magic.report import Report
 
 MAX_LOOKS = 40
@@ -192,10 +193,12 @@ def record_aa(setup: str, cell: str, rounds: int) -> list[tuple[float, float, fl
     return recorded
 
 
-def replay(recorded: list[tuple[float, float, float]], start: int, before: bool = False) -> str:
-    """The verdict the sequential procedure reaches from round `start` on; `before`: the
-    procedure this one replaced (the 99.8 % order-statistic interval alone, no A/A ratio),
-    on the same rounds."""
+def replay(
+    recorded: list[tuple[float, float, float]], start: int, before: bool = False
+) -> tuple[str, str | None]:
+    """The verdict the sequential procedure reaches from round `start` on, and which test
+    gave it (`Speedup.by`); `before`: the procedure this one replaced (the 99.8 %
+    order-statistic interval alone, no A/A ratio), on the same rounds."""
     rounds = timing.Rounds("base")
     for index, (base, fix, again) in enumerate(recorded[start : start + MAX_LOOKS]):
         rounds.rounds.append({"base": base, "fix": fix})
@@ -205,8 +208,8 @@ def replay(recorded: list[tuple[float, float, float]], start: int, before: bool 
         else:
             speedup = rounds.speedup("fix")
         if speedup is not None and speedup.settled:
-            return speedup.verdict
-    return "undecided"
+            return speedup.verdict, speedup.by
+    return "undecided", None
 
 
 def false_verdicts(busy: bool, aa_rounds: int) -> list[dict[str, Any]]:
@@ -215,10 +218,12 @@ def false_verdicts(busy: bool, aa_rounds: int) -> list[dict[str, Any]]:
         with spinner(busy):
             recorded = record_aa(setup, cell, aa_rounds)
         starts = range(0, max(1, len(recorded) - MAX_LOOKS))
-        outcomes = [replay(recorded, s) for s in starts]
-        wrong = sum(o in (verdict.FASTER, verdict.SLOWER) for o in outcomes)
-        before = [replay(recorded, s, before=True) for s in starts]
-        wrong_before = sum(o in (verdict.FASTER, verdict.SLOWER) for o in before)
+        replayed = [replay(recorded, s) for s in starts]
+        outcomes = [outcome for outcome, _ in replayed]
+        false_by = Counter(by for outcome, by in replayed if outcome in (FASTER, SLOWER))
+        wrong = sum(false_by.values())
+        before = [replay(recorded, s, before=True)[0] for s in starts]
+        wrong_before = sum(o in (FASTER, SLOWER) for o in before)
         ratios = [b / f for b, f, _ in recorded]
         rows.append(
             {
@@ -227,6 +232,7 @@ def false_verdicts(busy: bool, aa_rounds: int) -> list[dict[str, Any]]:
                 "starting_points": len(outcomes),
                 "false_verdicts": wrong,
                 "false_share": wrong / len(outcomes),
+                "false_by": dict(false_by),  # which test called them
                 "false_verdicts_before": wrong_before,
                 "no_clear_change": outcomes.count(verdict.NO_CLEAR_CHANGE),
                 "undecided": outcomes.count("undecided"),
@@ -319,7 +325,8 @@ def main() -> None:
     for row in result["false_verdicts"]:
         print(
             f"| {row['control']} | {row['rounds_recorded']} | {row['starting_points']} | "
-            f"{row['false_verdicts']} ({row['false_share']:.1%}) | "
+            f"{row['false_verdicts']} ({row['false_share']:.1%}"
+            f"{''.join(f'; {by} {n}' for by, n in row['false_by'].items())}) | "
             f"{row['false_verdicts_before']} | {row['no_clear_change']} | "
             f"{row['undecided']} | {row['ratio_min']:.2f}–{row['ratio_max']:.2f} |"
         )
