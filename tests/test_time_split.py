@@ -115,7 +115,9 @@ def test_perfcheck_reports_where_a_loader_bound_cells_time_went():
     split = report.time_split
     assert split is not None, report.warnings
     shares = {part: seconds / sum(split.values()) for part, seconds in split.items()}
-    assert shares["data_wait"] > 0.5, shares  # 3 ms an item, a tiny model
+    # 3 ms an item, a tiny model: the wait is the largest part (over half on a quiet
+    # machine; 48 % beside a CPU-bound process, which slows the compute and not the sleep)
+    assert shares["data_wait"] > 0.4, shares
     assert max(shares, key=shares.__getitem__) == "data_wait"
     assert "where the time went (the baseline's first run): data wait" in text.render(report)
 
