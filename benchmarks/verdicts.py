@@ -212,11 +212,34 @@ def replay(
     return "undecided", None
 
 
-def false_verdicts(busy: bool, aa_rounds: int) -> list[dict[str, Any]]:
+def recorded_aa(
+    name: str, busy: bool, aa_rounds: int, kept: Path | None, repeat: int
+) -> list[tuple[float, float, float]]:
+    """One recording of a control: read from `kept` when it holds this one (so a change to
+    the procedure is replayed on the very rounds the last one was measured on), else
+    recorded now and written there."""
+    path = None
+    if kept is not None:
+        load = "busy" if busy else "quiet"
+        slug = name.split(" (")[0].replace(" ", "-")
+        path = kept / f"{load}-{slug}-{aa_rounds}-{repeat}.json"
+        if path.exists():
+            return [tuple(row) for row in json.loads(path.read_text())]
+    setup, cell = AA_CELLS[name]
+    with spinner(busy):
+        recorded = record_aa(setup, cell, aa_rounds)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(recorded))
+    return recorded
+
+
+def false_verdicts(
+    busy: bool, aa_rounds: int, kept: Path | None = None, repeat: int = 0
+) -> list[dict[str, Any]]:
     rows = []
-    for name, (setup, cell) in AA_CELLS.items():
-        with spinner(busy):
-            recorded = record_aa(setup, cell, aa_rounds)
+    for name in AA_CELLS:
+        recorded = recorded_aa(name, busy, aa_rounds, kept, repeat)
         starts = range(0, max(1, len(recorded) - MAX_LOOKS))
         replayed = [replay(recorded, s) for s in starts]
         outcomes = [outcome for outcome, _ in replayed]
@@ -304,12 +327,17 @@ def main() -> None:
     parser.add_argument("--checks", type=int, default=2)
     parser.add_argument("--aa-rounds", type=int, default=300)
     parser.add_argument("--aa-repeats", type=int, default=3, help="recordings per control")
+    parser.add_argument(
+        "--recordings", type=Path, help="a folder to keep the A/A recordings in and replay from"
+    )
     args = parser.parse_args()
     load = "busy" if args.busy else "quiet"
     result = {
         "load": load,
         "false_verdicts": [
-            row for _ in range(args.aa_repeats) for row in false_verdicts(args.busy, args.aa_rounds)
+            row
+            for repeat in range(args.aa_repeats)
+            for row in false_verdicts(args.busy, args.aa_rounds, args.recordings, repeat)
         ],
         "effects": effects(args.busy, args.checks),
     }
