@@ -1,17 +1,21 @@
 """How fast and how safely perfcheck's paired rounds reach a verdict (`measuring/verdict.py`).
 
     python benchmarks/verdicts.py [--json PATH] [--busy] [--checks N] [--aa-rounds N]
+                                  [--aa-repeats N] [--recordings DIR]
 
 Two parts, both on this machine as it is (`--busy` starts one CPU-bound process beside the
 measuring, and ends it after):
 
 1. **False verdicts on A/A controls**, measured the way the 99.8 % interval was chosen
    (and for that procedure too, on the same rounds):
-   two cells are timed in rounds of the real round shape (baseline, the "fix", the baseline
-   again), where the "fix" is the baseline itself, for `--aa-rounds` rounds. Then the
-   sequential procedure `timing.paired_rounds` follows is replayed from every starting
-   round: the speedup re-read after each round, stopped at the first look that settles it
-   or after 40 rounds. A "faster" or "slower" there is a false verdict.
+   three cells are timed in rounds of the real round shape (baseline, the "fix", the
+   baseline again), where the "fix" is the baseline itself, for `--aa-rounds` rounds (half
+   that for the slowest), with the load meter read over each round as `paired_rounds`
+   reads it. Then the sequential procedure `timing.paired_rounds` follows is replayed from
+   every starting round: the speedup re-read after each round, stopped at the first look
+   that settles it or after 40 rounds. A "faster" or "slower" there is a false verdict.
+   `--recordings DIR` keeps the recordings and replays from them, so a change to the
+   procedure is judged on the very rounds the last one was.
 2. **Rounds and seconds to a verdict** for cells with known effects, checked through
    `perfcheck` at the default budget, `--checks` times each: a slow loader (workers, about
    3x), a loader waiting about a quarter of the run (workers, about 1.3x), bf16 autocast on
@@ -32,7 +36,6 @@ import json
 import math
 import random
 import statistics
-import subprocess
 import sys
 import textwrap
 import time
@@ -43,9 +46,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from busy_process import other_busy_process
+
 from torchtune_magic import perfcheck
 from torchtune_magic.measuring import timing, verdict
 from torchtune_magic.measuring.verdict import FASTER, SLOWER, Speedup
+from torchtune_magic.probe import load
 from torchtune_magic.report import Report
 
 MAX_LOOKS = 40
@@ -81,7 +87,25 @@ with torch.no_grad():
         out = net(batch)
 """,
     ),
+    # runs of tens of milliseconds: three rounds span the load meter's window, so the
+    # separation test is in play on a quiet machine (the two above are too fast for it)
+    "cnn training step": (
+        """
+import torch
+from torch import nn
+torch.manual_seed(0)
+net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+                    nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+""",
+        """
+nn.functional.cross_entropy(net(x), y).backward()
+net.zero_grad(set_to_none=True)
+""",
+    ),
 }
+# the slow control's rounds: half of `--aa-rounds` (its recordings take the longest)
+SLOW_CONTROLS = {"cnn training step"}
 
 EFFECT_SETUP = {
     "slow loader (workers)": """
@@ -152,16 +176,13 @@ for step in range(60):
 
 @contextlib.contextmanager
 def spinner(busy: bool) -> Iterator[None]:
-    """One CPU-bound process beside the measuring, ended (by its pid) afterwards."""
+    """One CPU-bound process beside the measuring, not among our descendants (so the load
+    meter counts it as another's, as it would a user's other work), ended afterwards."""
     if not busy:
         yield
         return
-    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with other_busy_process():
         yield
-    finally:
-        process.kill()
-        process.wait()
 
 
 def _cell(setup: str, cell: str) -> Callable[[], float]:
@@ -177,9 +198,14 @@ def _cell(setup: str, cell: str) -> Callable[[], float]:
     return run
 
 
-def record_aa(setup: str, cell: str, rounds: int) -> list[tuple[float, float, float]]:
+Recorded = list[tuple[float, float, float, float, float]]
+
+
+def record_aa(setup: str, cell: str, rounds: int) -> Recorded:
     """`rounds` rounds of (baseline, the same cell as the fix, baseline again), each run in
-    a place drawn at random in its round, as `timing.paired_rounds` runs them."""
+    a place drawn at random in its round, as `timing.paired_rounds` runs them, with the
+    round's wall seconds and the CPU-seconds other processes ran meanwhile
+    (`timing.Rounds.loads`)."""
     run = _cell(setup, cell)
     for _ in range(5):
         run()
@@ -188,21 +214,23 @@ def record_aa(setup: str, cell: str, rounds: int) -> list[tuple[float, float, fl
     for index in range(rounds):
         roles = ["base", "fix", "again"]
         random.Random(seed + index).shuffle(roles)
+        began = load.reading()
         times = {role: run() for role in roles}
-        recorded.append((times["base"], times["fix"], times["again"]))
+        seen = load.since(began, clamped=False)  # summed over rounds, as `timing` does
+        window, other = (seen.window_s, seen.other_cpu_s) if seen is not None else (0.0, 0.0)
+        recorded.append((times["base"], times["fix"], times["again"], window, other))
     return recorded
 
 
-def replay(
-    recorded: list[tuple[float, float, float]], start: int, before: bool = False
-) -> tuple[str, str | None]:
+def replay(recorded: Recorded, start: int, before: bool = False) -> tuple[str, str | None]:
     """The verdict the sequential procedure reaches from round `start` on, and which test
     gave it (`Speedup.by`); `before`: the procedure this one replaced (the 99.8 %
     order-statistic interval alone, no A/A ratio), on the same rounds."""
     rounds = timing.Rounds("base")
-    for index, (base, fix, again) in enumerate(recorded[start : start + MAX_LOOKS]):
+    for index, (base, fix, again, *seen) in enumerate(recorded[start : start + MAX_LOOKS]):
         rounds.rounds.append({"base": base, "fix": fix})
         rounds.again[index] = again
+        rounds.loads[index] = (seen[0], seen[1])
         if before:
             speedup = Speedup.of(rounds.ratios("fix"), None, PREVIOUS_CONFIDENCE)
         else:
@@ -214,7 +242,7 @@ def replay(
 
 def recorded_aa(
     name: str, busy: bool, aa_rounds: int, kept: Path | None, repeat: int
-) -> list[tuple[float, float, float]]:
+) -> Recorded:
     """One recording of a control: read from `kept` when it holds this one (so a change to
     the procedure is replayed on the very rounds the last one was measured on), else
     recorded now and written there."""
@@ -224,7 +252,7 @@ def recorded_aa(
         slug = name.split(" (")[0].replace(" ", "-")
         path = kept / f"{load}-{slug}-{aa_rounds}-{repeat}.json"
         if path.exists():
-            return [tuple(row) for row in json.loads(path.read_text())]
+            return [(b, f, a, w, o) for b, f, a, w, o in json.loads(path.read_text())]
     setup, cell = AA_CELLS[name]
     with spinner(busy):
         recorded = record_aa(setup, cell, aa_rounds)
@@ -239,7 +267,8 @@ def false_verdicts(
 ) -> list[dict[str, Any]]:
     rows = []
     for name in AA_CELLS:
-        recorded = recorded_aa(name, busy, aa_rounds, kept, repeat)
+        rounds = aa_rounds // 2 if name in SLOW_CONTROLS else aa_rounds
+        recorded = recorded_aa(name, busy, rounds, kept, repeat)
         starts = range(0, max(1, len(recorded) - MAX_LOOKS))
         replayed = [replay(recorded, s) for s in starts]
         outcomes = [outcome for outcome, _ in replayed]
@@ -247,7 +276,7 @@ def false_verdicts(
         wrong = sum(false_by.values())
         before = [replay(recorded, s, before=True)[0] for s in starts]
         wrong_before = sum(o in (FASTER, SLOWER) for o in before)
-        ratios = [b / f for b, f, _ in recorded]
+        ratios = [row[0] / row[1] for row in recorded]
         rows.append(
             {
                 "control": name,
@@ -261,7 +290,8 @@ def false_verdicts(
                 "undecided": outcomes.count("undecided"),
                 "ratio_min": min(ratios),
                 "ratio_max": max(ratios),
-                "run_median_s": statistics.median(b for b, _, _ in recorded),
+                "run_median_s": statistics.median(row[0] for row in recorded),
+                "others_cpus": sum(row[4] for row in recorded) / sum(row[3] for row in recorded),
             }
         )
     return rows

@@ -86,6 +86,23 @@ def test_another_busy_process_on_our_cpus_reads_as_about_one_busy_cpu():
     )
 
 
+def test_short_windows_summed_unclamped_read_what_one_window_over_them_reads():
+    """A round of a fast cell lasts a few milliseconds, under a clock tick, so each reads a
+    tick too many or too few; summed unclamped they read what one window over all of them
+    reads (clamping each would keep only the ticks too many: a quiet machine read half a
+    CPU busy over rounds of 3 ms)."""
+    first, pieces = load.reading(), []
+    while (whole := load.since(first)) is not None and whole.window_s < 1.5:
+        start = load.reading()
+        _spin(0.003)
+        piece = load.since(start, clamped=False)
+        assert piece is not None
+        pieces.append(piece)
+    assert whole is not None and len(pieces) > 200
+    summed = sum(p.other_cpu_s for p in pieces) / sum(p.window_s for p in pieces)
+    assert abs(summed - whole.busy_cpus) < 0.2, (summed, whole.busy_cpus)
+
+
 def _ours_tell(ours: float, slack: float) -> None:
     """On one CPU, others can have had only what we did not: `busy_cpus <= 1 - ours +
     slack`. A meter counting our work as theirs would read about 1 on a CPU kept busy,

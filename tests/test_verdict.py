@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import time
 
-from torchtune_magic.measuring import verdict
+import pytest
+from busy_process import other_busy_process
+
+from torchtune_magic.measuring import timing, verdict
 from torchtune_magic.measuring.verdict import Speedup
 
 NO_CHANGE, FAST = "no clear change", "faster"
@@ -131,3 +134,58 @@ def test_a_steady_small_effect_is_not_settled_as_no_change_on_a_quiet_machine():
     steady = Speedup.of(ratios, noise, both=both)
     assert not steady.settled and steady.one_end and steady.rounds_to_settle() == 7
     assert Speedup.of(ratios, noise).settled  # no baseline run twice: the quiet rule
+
+
+def test_on_a_busy_machine_a_large_effect_waits_for_five_rounds():
+    """Beside a CPU-bound process a stall regime can slow two of a round's three runs
+    alike for several rounds running, the A/A ratio near 1 all along: a fix that changes
+    nothing but drew the unslowed place three times looks 3x faster against quiet A/A
+    ratios. Where the load meter saw other processes busy, the separation test waits for
+    five rounds (1/243 that a regime hands the fix that place in all of them)."""
+    taken = [(3.0, 1.0, 3.05)] * 5  # baseline, fix, baseline again: a clear 3x every round
+
+    def of(rounds: list[tuple[float, float, float]], independent: bool) -> Speedup:
+        return Speedup.of(
+            [b1 / f for b1, f, _ in rounds],
+            [b1 / b2 for b1, _, b2 in rounds],
+            both=[(b1 / f, b2 / f) for b1, f, b2 in rounds],
+            independent=independent,
+        )
+
+    assert of(taken[:3], independent=True).verdict == FAST
+    busy = of(taken[:3], independent=False)
+    assert busy.verdict == NO_CHANGE and not busy.settled and busy.rounds_to_settle() == 5
+    assert not of(taken[:4], independent=False).settled
+    called = of(taken, independent=False)
+    assert called.verdict == FAST and called.by == "separation" and called.low > 2.5
+
+
+def test_the_rounds_count_as_independent_only_where_the_load_meter_saw_a_quiet_machine():
+    rounds = timing.Rounds("base", rounds=[{"base": 3.0, "fix": 1.0}] * 3)
+    assert rounds.independent("fix")  # no reading (not Linux): the A/A ratios alone judge
+    rounds.loads = {i: (0.03, 0.0) for i in range(3)}
+    assert not rounds.independent("fix")  # 0.09 s: a few clock ticks, too short to tell
+    rounds.loads = {i: (0.2, 0.0) for i in range(3)}
+    assert rounds.independent("fix")
+    rounds.loads = {i: (0.2, 0.2) for i in range(3)}  # another process on a whole CPU
+    assert not rounds.independent("fix")
+    assert rounds.speedup("fix") is not None and not rounds.speedup("fix").independent
+
+
+def test_paired_rounds_beside_a_cpu_bound_process_read_the_machine_as_busy():
+    """The real meter over real rounds: another process spinning on this process's CPUs
+    (not one of our descendants, as a user's other work is not) makes the rounds count as
+    dependent."""
+
+    def work() -> float:
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.04:
+            pass
+        return time.perf_counter() - started
+
+    with other_busy_process():
+        taken = timing.paired_rounds(
+            {"base": work, "fix": work}, "base", timing.Deadline(1.5), min_rounds=12
+        )
+    assert sum(w for w, _ in taken.loads.values()) >= verdict.LOAD_WINDOW_S
+    assert not taken.independent("fix")

@@ -21,6 +21,7 @@ from torch.utils.benchmark import Measurement as _BenchMeasurement
 from torch.utils.benchmark.utils.common import TaskSpec
 
 from ..distributed import lockstep
+from ..probe import load
 from ..report import is_noisy
 from . import verdict
 from .verdict import Speedup
@@ -123,6 +124,10 @@ class Rounds:
     # round index -> the baseline run again at the end of that round (while a fix was still
     # undecided): the pair's ratio is the round's A/A ratio (`verdict`'s separation test)
     again: dict[int, float] = field(default_factory=dict)
+    # round index -> (its wall seconds, the CPU-seconds other processes ran on this
+    # kernel's CPUs meanwhile: `probe.load`; the most any rank saw): a busy machine's rounds
+    # are not independent of each other (`verdict.BUSY_CPUS`)
+    loads: dict[int, tuple[float, float]] = field(default_factory=dict)
     # label -> what one run's ratio is multiplied by to judge the whole cell: a sampled fix
     # that runs a share of the cell's steps (a DistributedSampler: 1/N of each epoch) does
     # that share of the work, so its per-step ratio over-counts the cell's time by 1/share
@@ -170,9 +175,30 @@ class Rounds:
             if i in self.again and label in times and self.baseline in times and times[label] > 0
         ]
 
+    def independent(self, label: str) -> bool:
+        """Whether the rounds that timed this configuration were quiet enough to count as
+        independent: other processes kept fewer than `verdict.BUSY_CPUS` busy over them,
+        read over at least `verdict.LOAD_WINDOW_S` (one round of a fast cell is a few clock
+        ticks). Where the meter reads nothing (not Linux) the A/A ratios alone judge."""
+        seen = [
+            self.loads[i]
+            for i, times in enumerate(self.rounds)
+            if label in times and i in self.loads
+        ]
+        if not seen:
+            return True
+        window = sum(w for w, _ in seen)
+        return (
+            window >= verdict.LOAD_WINDOW_S and sum(o for _, o in seen) / window < verdict.BUSY_CPUS
+        )
+
     def speedup(self, label: str) -> Speedup | None:
         ratios = self.ratios(label)
-        return Speedup.of(ratios, self.noise(), both=self.both(label)) if ratios else None
+        if not ratios:
+            return None
+        return Speedup.of(
+            ratios, self.noise(), both=self.both(label), independent=self.independent(label)
+        )
 
     @property
     def labels(self) -> list[str]:
@@ -226,6 +252,7 @@ def paired_rounds(
         random.Random(result.seed + index).shuffle(order)
         this_round: dict[str, float] = {}
         result.rounds.append(this_round)
+        round_began = load.reading()
         # the rounds a progress line promises at most: the cheapest round there could be
         # (the baseline and one fix) filling what is left; it only ever comes down
         cheapest = min(
@@ -256,6 +283,12 @@ def paired_rounds(
             result.walls.setdefault(runs_as, []).append(wall)
             if on_run is not None:
                 on_run(runs_as, result.measurement(runs_as))
+        seen = load.since(round_began, clamped=False)  # summed over rounds: `independent`
+        if lockstep.any_rank(seen is not None):
+            window, other = lockstep.slowest_of(
+                [seen.window_s, seen.other_cpu_s] if seen is not None else [None, None]
+            )
+            result.loads[index] = (window or 0.0, other or 0.0)
     result.seconds += time.perf_counter() - started
     return result
 

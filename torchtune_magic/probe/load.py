@@ -88,22 +88,28 @@ def reading() -> Reading | None:
     return Reading(time.monotonic(), cpus, busy / _TICKS_PER_S, mine + descendants / _TICKS_PER_S)
 
 
-def between(start: Reading, end: Reading) -> Load | None:
+def between(start: Reading, end: Reading, clamped: bool = True) -> Load | None:
     """Other processes' CPU time on this process's CPUs from `start` to `end`; None when the
-    affinity mask changed in between (the two readings count different CPUs)."""
+    affinity mask changed in between (the two readings count different CPUs). `clamped`:
+    within what the CPUs could have done. A window shorter than a clock tick reads a tick
+    too many or too few, so windows to be summed are read unclamped (clamping each would
+    keep the ticks too many and drop the too few: a quiet machine read half a CPU busy
+    over rounds of a few milliseconds) and the sum clamped once."""
     if start.cpus != end.cpus or end.at_s <= start.at_s:
         return None
     window = end.at_s - start.at_s
     other = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
-    return Load(window, min(max(other, 0.0), window * len(end.cpus)), len(end.cpus))
+    if clamped:
+        other = min(max(other, 0.0), window * len(end.cpus))
+    return Load(window, other, len(end.cpus))
 
 
-def since(start: Reading | None) -> Load | None:
+def since(start: Reading | None, clamped: bool = True) -> Load | None:
     """The load from `start` to now (None when there was no start reading)."""
     if start is None:
         return None
     end = reading()
-    return between(start, end) if end is not None else None
+    return between(start, end, clamped) if end is not None else None
 
 
 def _busy_ticks(cpus: frozenset[int]) -> int:
