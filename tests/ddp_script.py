@@ -122,7 +122,12 @@ elif mode in ("right", "wrong"):
 else:
     from torchtune_magic import perfcheck
 
-    report = perfcheck(CELL, globals(), budget=budget, json=out / "report.json")
+    # "perfcheck-nodes": two torchrun nodes simulated on this one machine, each rank
+    # seeing the two cores as its own: cpu-threads' advice (a thread a core) then
+    # oversubscribes the shared cores and measures 0.2x, taking the rounds the test's
+    # lockstep fixes need; what one machine can tell of real nodes is not its subject
+    skip = "cpu-threads" if mode == "perfcheck-nodes" else None
+    report = perfcheck(CELL, globals(), budget=budget, skip=skip, json=out / "report.json")
     if rank != 0:
         print(f"rank {rank}: {report!r}")
 torch.save(

@@ -424,6 +424,8 @@ print(json.dumps({
     "dropped": [n.__dict__ for n in dropped],
     "variants": [v.fixes for v in report.variants],
     "speedup": variant and variant.speedup, "win": bool(variant and variant.is_win),
+    "low": variant and variant.speedup_low, "high": variant and variant.speedup_high,
+    "rounds": variant and variant.rounds,
     "error": variant and variant.error, "verdict": variant and variant.numerics.verdict,
     "mapped_applied": applied, "mapped_undone": undone,
 }))

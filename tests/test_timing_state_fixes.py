@@ -26,10 +26,16 @@ def _runner(order: list[str], label: str, values: list[float], sleep_s: float = 
     return run
 
 
+def _unmetered() -> None:
+    """The load meter for runners that return made-up times: the machine's load says
+    nothing of them (a busy CI box would make the separation test wait for five rounds)."""
+    return None
+
+
 def test_paired_rounds_rotate_and_pair_each_fix_with_a_baseline_run():
     order: list[str] = []
     runners = {"base": _runner(order, "base", [1.0]), "fix": _runner(order, "fix", [0.5])}
-    rounds = timing.paired_rounds(runners, "base", timing.Deadline(5.0))
+    rounds = timing.paired_rounds(runners, "base", timing.Deadline(5.0), meter=_unmetered)
     # while the fix is undecided the baseline runs twice a round
     assert sorted(order[:3]) == sorted(order[3:6]) == ["base", "base", "fix"]
     assert rounds.ratios("fix") == [2.0] * len(rounds.rounds)
@@ -70,7 +76,7 @@ def test_a_settled_fix_drops_out_while_an_undecided_one_goes_on_until_the_deadli
         "noise": _runner(order, "noise", [0.8, 1.25], 0.01),  # ratios 1.25, 0.8, ...: ~1
     }
     deadline = timing.Deadline(1.0)
-    rounds = timing.paired_rounds(runners, "base", deadline)
+    rounds = timing.paired_rounds(runners, "base", deadline, meter=_unmetered)
     assert rounds.speedup("clear").settled and not rounds.speedup("noise").settled
     assert order.count("clear") == 3 < order.count("noise")  # 2x: called in 3 rounds
     assert rounds.speedup("noise").verdict == "no clear change"  # straddles 1: never slower
@@ -86,7 +92,7 @@ def test_a_fix_clear_of_the_noise_runs_alone_until_it_settles():
         "big": _runner(order, "big", [0.33], 0.005),
         "small": _runner(order, "small", [0.97, 1.0], 0.005),
     }
-    rounds = timing.paired_rounds(runners, "base", timing.Deadline(0.5))
+    rounds = timing.paired_rounds(runners, "base", timing.Deadline(0.5), meter=_unmetered)
     assert rounds.speedup("big").settled and rounds.speedup("big").verdict == "faster"
     assert [sorted(r) for r in rounds.rounds[:3]] == [["base", "big", "small"]] + [
         ["base", "big"]
@@ -99,7 +105,7 @@ def test_no_round_starts_that_would_end_past_the_deadline():
     order: list[str] = []
     runners = {"a": _runner(order, "a", [1.0, 1.3], 0.1), "b": _runner(order, "b", [1.2, 1.0], 0.1)}
     deadline = timing.Deadline(0.5)
-    rounds = timing.paired_rounds(runners, "a", deadline)
+    rounds = timing.paired_rounds(runners, "a", deadline, meter=_unmetered)
     assert len(rounds.rounds) == 1  # rounds take 0.3 s (a, b, a): a second would end at 0.6 s
     assert deadline.spent < 0.5
 

@@ -214,6 +214,7 @@ def paired_rounds(
     on_run: RunDone | None = None,
     begun: Rounds | None = None,
     min_rounds: int | None = None,
+    meter: Callable[[], load.Reading | None] | None = None,
 ) -> Rounds:
     """Time the configurations in rounds (the order rotating from round to round) until
     every fix's speedup is settled (`verdict.Speedup.settled`) or the next round would end
@@ -224,7 +225,12 @@ def paired_rounds(
     every round. `begun` holds rounds already taken (a sampled
     measurement's first runs) and the runs' wall times so far. No round starts that its
     predicted length (each configuration's median wall time so far, the baseline's for one
-    not yet seen) does not leave room for."""
+    not yet seen) does not leave room for. `meter` reads the load over each round (runners
+    whose times do not come from this machine, as in tests, pass one that reads nothing);
+    by default `probe.load`'s, except under torchrun, where each rank's meter counts the
+    job's other ranks as other processes' load, and the rounds are taken as independent."""
+    if meter is None:
+        meter = _no_reading if lockstep.current() is not None else load.reading
     wanted = min_rounds if min_rounds is not None else verdict.min_rounds()
     result = begun if begun is not None else Rounds(baseline)
     if result.seed is None:
@@ -252,7 +258,7 @@ def paired_rounds(
         random.Random(result.seed + index).shuffle(order)
         this_round: dict[str, float] = {}
         result.rounds.append(this_round)
-        round_began = load.reading()
+        round_began = meter()
         # the rounds a progress line promises at most: the cheapest round there could be
         # (the baseline and one fix) filling what is left; it only ever comes down
         cheapest = min(
@@ -283,7 +289,10 @@ def paired_rounds(
             result.walls.setdefault(runs_as, []).append(wall)
             if on_run is not None:
                 on_run(runs_as, result.measurement(runs_as))
-        seen = load.since(round_began, clamped=False)  # summed over rounds: `independent`
+        round_ended = meter() if round_began is not None else None
+        seen = (  # read unclamped: summed over rounds (`Rounds.independent`)
+            load.between(round_began, round_ended, clamped=False) if round_ended else None
+        )
         if lockstep.any_rank(seen is not None):
             window, other = lockstep.slowest_of(
                 [seen.window_s, seen.other_cpu_s] if seen is not None else [None, None]
@@ -291,6 +300,10 @@ def paired_rounds(
             result.loads[index] = (window or 0.0, other or 0.0)
     result.seconds += time.perf_counter() - started
     return result
+
+
+def _no_reading() -> None:
+    return None
 
 
 # the baseline's run that closes a round (a label of no configuration)
