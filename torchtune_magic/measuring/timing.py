@@ -229,8 +229,8 @@ def paired_rounds(
     whose times do not come from this machine, as in tests, pass one that reads nothing);
     by default `probe.load`'s, except under torchrun, where each rank's meter counts the
     job's other ranks as other processes' load, and the rounds are taken as independent."""
-    if meter is None:
-        meter = _no_reading if lockstep.current() is not None else load.reading
+    if meter is None and lockstep.current() is None:
+        meter = load.reading
     wanted = min_rounds if min_rounds is not None else verdict.min_rounds()
     result = begun if begun is not None else Rounds(baseline)
     if result.seed is None:
@@ -258,7 +258,7 @@ def paired_rounds(
         random.Random(result.seed + index).shuffle(order)
         this_round: dict[str, float] = {}
         result.rounds.append(this_round)
-        round_began = meter()
+        round_began = meter() if meter is not None else None
         # the rounds a progress line promises at most: the cheapest round there could be
         # (the baseline and one fix) filling what is left; it only ever comes down
         cheapest = min(
@@ -289,21 +289,19 @@ def paired_rounds(
             result.walls.setdefault(runs_as, []).append(wall)
             if on_run is not None:
                 on_run(runs_as, result.measurement(runs_as))
-        round_ended = meter() if round_began is not None else None
+        round_ended = meter() if meter is not None and round_began is not None else None
         seen = (  # read unclamped: summed over rounds (`Rounds.independent`)
             load.between(round_began, round_ended, clamped=False) if round_ended else None
         )
-        if lockstep.any_rank(seen is not None):
+        # every rank agrees on it, where a meter reads at all (an agreement more a round
+        # would also line the ranks up at each round's start, which no run did before)
+        if meter is not None and lockstep.any_rank(seen is not None):
             window, other = lockstep.slowest_of(
                 [seen.window_s, seen.other_cpu_s] if seen is not None else [None, None]
             )
             result.loads[index] = (window or 0.0, other or 0.0)
     result.seconds += time.perf_counter() - started
     return result
-
-
-def _no_reading() -> None:
-    return None
 
 
 # the baseline's run that closes a round (a label of no configuration)
