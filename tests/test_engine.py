@@ -71,8 +71,10 @@ def test_training_cell_leaves_state_as_one_plain_run():
 
 def test_report_json_validates_against_the_shipped_schema(tmp_path: Path):
     path = tmp_path / "out" / "report.json"
-    # 4 s: ten paired rounds of both fixes fit with another process busy on this 2-core box
-    report = perfcheck(TRAIN_CELL, namespace_with(), budget=4, json=path, skip=LOAD_DEPENDENT)
+    # 8 s: where the load meter sees another process busy on this 2-core box, anomaly mode's
+    # fix waits for five rounds of the separation test or seven of the rank test, and a
+    # stalled round costs more (rounds stop once the verdict is in: a quiet run is as short)
+    report = perfcheck(TRAIN_CELL, namespace_with(), budget=8, json=path, skip=LOAD_DEPENDENT)
     data = json.loads(path.read_text())
     jsonschema.validate(data, load_schema())
     assert data["schema"] == "torchtune-magic/report/v1"
