@@ -106,7 +106,7 @@ def _assert_equal(actual: object, expected: object, where: str) -> None:
         assert actual == expected, where
 
 
-def _check_lockstep_run(out: Path, mode: str = "perfcheck") -> None:
+def _check_lockstep_run(out: Path) -> None:
     """Rank 0's report, and each rank's state as after one plain run on that rank."""
     data = json.loads((out / "report.json").read_text())
     jsonschema.validate(data, load_schema())
@@ -138,7 +138,7 @@ def _check_lockstep_run(out: Path, mode: str = "perfcheck") -> None:
         assert sampler["judged_by"] == "whole cell"
         assert "(whole cell)" in shown
     for rank in (0, 1):
-        _assert_equal(_state(out, mode, rank), _state(out, "plain", rank), f"rank {rank}")
+        _assert_equal(_state(out, "perfcheck", rank), _state(out, "plain", rank), f"rank {rank}")
 
 
 def test_perfcheck_under_torchrun_keeps_the_ranks_in_lockstep(tmp_path: Path) -> None:
@@ -153,11 +153,11 @@ def test_perfcheck_under_torchrun_keeps_the_ranks_in_lockstep(tmp_path: Path) ->
 def test_two_nodes_through_c10d_rendezvous_give_the_same_result(tmp_path: Path) -> None:
     for node in _two_nodes("plain", str(tmp_path)):
         assert node.returncode == 0, node.stderr[-3000:]
-    for node in _two_nodes("perfcheck-nodes", str(tmp_path), "8"):
+    for node in _two_nodes("perfcheck", str(tmp_path), "8"):
         assert node.returncode == 0, node.stderr[-3000:]
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["distributed"]["nodes"] == 2
-    _check_lockstep_run(tmp_path, "perfcheck-nodes")
+    _check_lockstep_run(tmp_path)
 
 
 def _processes_running(marker: str) -> list[int]:
