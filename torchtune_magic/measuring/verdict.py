@@ -100,13 +100,15 @@ MARGIN = 3.0
 # process runs stall by 10-100x, more often than a few rounds can show (replayed busy
 # rounds: it doubled the false verdicts of the interval alone); the interval decides there
 QUIET_NOISE = 1.25
-# ... nor where other processes kept this many of the kernel's CPUs busy during any of the
-# fix's rounds (`timing.Rounds.others`, from `probe.load`). The separation test's chance
-# holds for rounds independent of each other; beside a CPU-bound process a stall regime
-# (two of a round's three runs slowed alike) lasts several rounds while the A/A ratio stays
-# near 1, and a fix that changes nothing but drew the unslowed place in three rounds running
-# (1/27) passed the margin: three quarters of the busy replays' false verdicts. The rank
-# test's chance holds whatever the machine does (it needs only the places drawn at random).
+# Other processes keeping this many of the kernel's CPUs busy over the fix's rounds
+# (`timing.Rounds.loads`, from `probe.load`), read over LOAD_WINDOW_S at least (/proc/stat
+# counts in clock ticks: one round of a fast cell reads a tick too many or too few), make
+# the machine a busy one. The separation test's chance holds for rounds independent of each
+# other; beside a CPU-bound process a stall regime (two of a round's three runs slowed
+# alike) lasts several rounds while the A/A ratio stays near 1, and a fix that changes
+# nothing but drew the unslowed place in three rounds running (1/27) passed the margin:
+# three quarters of the busy replays' false verdicts. The rank test's chance holds whatever
+# the machine does (it needs only the places drawn at random).
 BUSY_CPUS = 0.5
 LOAD_WINDOW_S = 0.15
 # ... so there the separation test waits for this many rounds: a regime handing the fix the
