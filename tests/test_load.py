@@ -86,6 +86,27 @@ def test_another_busy_process_on_our_cpus_reads_as_about_one_busy_cpu():
     )
 
 
+def test_the_jobs_other_ranks_are_our_own_work_not_other_load():
+    """Under torchrun the job's other ranks on this host are not our descendants (torchrun's
+    agent starts them all): counted as ours, a busy one no longer reads as another
+    process's load, and one that is not counted still does."""
+    try:
+        with other_busy_process() as pid:
+            load.count_as_ours([pid])
+            start = load.reading()
+            time.sleep(1.0)
+            counted = load.since(start)
+            load.count_as_ours([])
+            start = load.reading()
+            time.sleep(1.0)
+            not_counted = load.since(start)
+    finally:
+        load.count_as_ours([])
+    assert counted is not None and not_counted is not None
+    # the spinning rank's CPU, and nothing else, is what the two readings differ by
+    assert not_counted.busy_cpus - counted.busy_cpus > 0.7, (counted, not_counted)
+
+
 def test_short_windows_summed_unclamped_read_what_one_window_over_them_reads():
     """A round of a fast cell lasts a few milliseconds, under a clock tick, so each reads a
     tick too many or too few; summed unclamped they read what one window over all of them

@@ -40,7 +40,7 @@ from .measuring.plan import (
 from .measuring.run import Config
 from .measuring.runs import Hooks, Runs
 from .options import Options
-from .probe import launchers, oom, probe, steps
+from .probe import launchers, load, oom, probe, steps
 from .probe.observation import Observation
 from .report import (
     CellRun,
@@ -62,6 +62,15 @@ BEFORE_CELL = "before the cell"
 PART_RUN = "part of a run"  # the probe was stopped early
 
 
+
+def _joined() -> lockstep.Ranks | None:
+    """This process's ranks (`lockstep.joined`); the load meter then counts the job's other
+    ranks on this host as this process's own work, not another process's."""
+    ranks = lockstep.joined()
+    if ranks is not None:
+        load.count_as_ours(ranks.peers)
+    return ranks
+
 class Session(Reporting):
     """One %%perfcheck run: the flow. What it found and measured, the report assembled from
     it and the panel's actions on it afterwards are `Reporting`'s."""
@@ -73,7 +82,7 @@ class Session(Reporting):
         progress: timing.Progress | None = None,
         on_report: Callable[[Report], None] | None = None,
     ):
-        super().__init__(workload, options or Options(), on_report, lockstep.joined())
+        super().__init__(workload, options or Options(), on_report, _joined())
         self.progress = progress
         self._cell_names: set[str] = set()  # names the cell (re)binds
         self._out_of_memory: CellError | None = None
@@ -105,7 +114,7 @@ class Session(Reporting):
         if self.ranks is None and lockstep.launched_by_torchrun():
             # the cell joined the job itself (Lightning's `fit` initialises the process
             # group): the ranks agree from here on
-            self.ranks = lockstep.joined()
+            self.ranks = _joined()
         with lockstep.active(self.ranks):
             if self.ranks is not None and self.observation is not None:
                 self.observation.agreed_across_ranks(self.ranks.rank, self.step_trace)

@@ -10,8 +10,10 @@ wait for each other at every parallel region, so one thread without a core stall
 all. Beside one CPU-bound process on a 2-core machine a 2.8 s training cell ran 13.3 s
 with torch's 2 threads and 2.96 s with 1.
 
-The cores left to torch are the available ones less those busy loader workers take and
-those other processes took during the probe (`load.py`: their CPU time on the CPUs this
+The cores left to torch are the available ones (split evenly among the job's ranks that
+share them, under torchrun: two ranks of one thread each on two cores is a full machine,
+not a half-idle one) less those busy loader workers take and those other processes took
+during the probe (`load.py`: their CPU time on the CPUs this
 process may use; a core per OTHER_CORE_SHARE of a CPU kept busy). Where that equals the
 current count the check stays silent without timing anything. Otherwise the count is
 chosen by a quick trial: the main model's forward under no_grad (`proxy.py`) timed with
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -150,9 +153,27 @@ def _busy_workers(obs: Observation) -> int:
     )
 
 
+def _ranks_sharing_cores() -> int:
+    """How many of the job's ranks (this one included) run on this host on CPUs this
+    process may use too; 1 outside torchrun. Ranks pinned to CPUs of their own do not
+    count: their affinity masks do not meet this one."""
+    mine = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    ranks = lockstep.gathered((socket.gethostname(), mine))
+    here = socket.gethostname()
+    return max(
+        1,
+        sum(
+            1
+            for host, cpus in ranks
+            if host == here and (mine is None or cpus is None or cpus & mine)
+        ),
+    )
+
+
 def _other_cores(obs: Observation) -> int:
     """Cores other processes took from this one during the probe (0 where the load was
-    not measured or the probe was too short to tell)."""
+    not measured or the probe was too short to tell; the job's other ranks are not other
+    processes to the meter: `load.count_as_ours`)."""
     seen = obs.load
     figures = [None, None] if seen is None else [seen.window_s, seen.busy_cpus]
     window_s, busy_cpus = lockstep.mean_of(figures)
@@ -181,9 +202,11 @@ class ThreadsCheck(Check):
     def detect(self, obs: Observation) -> list[Detection]:
         current = torch.get_num_threads()
         cores = cpu.available_cores()
+        sharing = _ranks_sharing_cores()
+        per_rank = max(1, cores.count // sharing)
         workers = _busy_workers(obs)
         others = _other_cores(obs)
-        wanted = max(1, cores.count - workers - others)
+        wanted = max(1, per_rank - workers - others)
         if wanted == current:
             return []
         origin, line = _threads_origin(obs, current)
@@ -191,6 +214,8 @@ class ThreadsCheck(Check):
             f"torch runs {count(current, 'intra-op thread')} ({origin}); "
             f"this process may use {cores.count} ({cores.detail})"
         )
+        if sharing > 1:
+            evidence += f", {per_rank} each for the {sharing} ranks of this job that share them"
         details = []
         if workers:
             details.append(
@@ -204,12 +229,12 @@ class ThreadsCheck(Check):
             if others:
                 beside.append(f"{count(others, 'core')} of other processes' work")
             details.append(
-                f"{current} threads + {' + '.join(beside)} on {count(cores.count, 'core')}"
+                f"{current} threads + {' + '.join(beside)} on {count(per_rank, 'core')}"
             )
         if current > wanted and workers:  # the trial cannot see busy workers
             chosen = wanted
         else:
-            chosen, text = self._trial(obs, current, cores.count, wanted, loaded=others > 0)
+            chosen, text = self._trial(obs, current, per_rank, wanted, loaded=others > 0)
             details.append(text)
         source = obs.workload.source
         fixed, notes = codeedit.edited(source, lambda s: with_threads(s, chosen))

@@ -57,6 +57,7 @@ class Ranks:
     nodes: int
     host: str
     group: Any  # the gloo group our messages go over
+    peers: tuple[int, ...] = ()  # the pids of the job's other ranks on this host
 
     @property
     def first(self) -> bool:
@@ -102,13 +103,17 @@ def joined() -> Ranks | None:
     group = _group[0][1]
     size = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    host = socket.gethostname()
+    places: list[Any] = [None] * size
+    dist.all_gather_object(places, (host, os.getpid()), group=group)
     return Ranks(
         rank=dist.get_rank(),
         world=size,
         backend=str(dist.get_backend()),
         nodes=max(1, size // max(1, local)),
-        host=socket.gethostname(),
+        host=host,
         group=group,
+        peers=tuple(pid for where, pid in places if where == host and pid != os.getpid()),
     )
 
 

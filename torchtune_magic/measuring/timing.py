@@ -227,8 +227,9 @@ def paired_rounds(
     predicted length (each configuration's median wall time so far, the baseline's for one
     not yet seen) does not leave room for. `meter` reads the load over each round (runners
     whose times do not come from this machine, as in tests, pass one that reads nothing);
-    by default `probe.load`'s, except under torchrun, where each rank's meter counts the
-    job's other ranks as other processes' load, and the rounds are taken as independent."""
+    by default `probe.load`'s, except under torchrun, where the rounds are taken as
+    independent: agreeing each round's reading across ranks lines the ranks up at every
+    round's start, which narrowed the A/A ratios below what the fixes' runs see."""
     if meter is None and lockstep.current() is None:
         meter = load.reading
     wanted = min_rounds if min_rounds is not None else verdict.min_rounds()

@@ -10,10 +10,13 @@ how much of the CPUs this process may use (its affinity mask) other processes ke
                      steal) - this process's CPU time - its descendants'
 
 Descendants (DataLoader workers, anything the cell starts) do the cell's own work, so they
-are not "other". They are found by parent pid in `/proc/PID/stat`: the kernel's own list
-(`/proc/PID/task/TID/children`) needs CONFIG_PROC_CHILDREN, which not every kernel has (the
-VM this was written on lacks it). Pids already classified are remembered while they live,
-so a reading lists /proc and reads the stat files of descendants and of new pids only.
+are not "other"; nor, under torchrun, do the job's other ranks on this host and theirs
+(`count_as_ours`): two ranks of one thread on two cores are one job keeping both busy, not a
+neighbour taking half the machine. They are found by parent pid in `/proc/PID/stat`: the
+kernel's own list (`/proc/PID/task/TID/children`) needs CONFIG_PROC_CHILDREN, which not
+every kernel has (the VM this was written on lacks it). Pids already classified are
+remembered while they live, so a reading lists /proc and reads the stat files of descendants
+and of new pids only.
 Children that ended and were waited for are in this process's own children's times.
 
 /proc/stat counts in clock ticks (10 ms at the usual 100 Hz), per CPU, so a window of a
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 PROC = "/proc"
@@ -137,18 +141,27 @@ def _read(path: str) -> bytes:
         os.close(fd)
 
 
+def count_as_ours(pids: Iterable[int]) -> None:
+    """From now on, count `pids` (the job's other ranks on this host) and their descendants
+    as this process's own work."""
+    _descendants.peers = frozenset(pids) - {os.getpid()}
+    _descendants.known = {}
+
+
 class _Descendants:
-    """The live processes under this one, found by parent pid, and their CPU ticks."""
+    """The live processes under this one (or under one of its `peers`), found by parent
+    pid, and their CPU ticks."""
 
     def __init__(self) -> None:
         self.owner = os.getpid()
-        self.known: dict[int, bool] = {}  # pid: whether it descends from `owner`
+        self.peers: frozenset[int] = frozenset()  # processes whose work is ours too
+        self.known: dict[int, bool] = {}  # pid: whether it descends from `owner` or a peer
 
     def ticks(self) -> int:
         """utime + stime + cutime + cstime of every live descendant (each one's waited-for
         children included, so a worker's helper that ended is still counted)."""
         if os.getpid() != self.owner:  # read in a forked child: its own descendants
-            self.owner, self.known = os.getpid(), {}
+            self.owner, self.peers, self.known = os.getpid(), frozenset(), {}
         pids = [int(name) for name in os.listdir(PROC) if name.isdigit()]
         live = set(pids)
         self.known = {pid: mine for pid, mine in self.known.items() if pid in live}
@@ -164,9 +177,12 @@ class _Descendants:
         return total
 
     def _classify(self, pid: int, stats: dict[int, list[bytes] | None]) -> bool:
-        """Whether `pid` descends from this process (its parent chain among new pids is
-        followed; a pid that vanished counts as not)."""
+        """Whether `pid` is a peer or descends from this process or a peer (its parent chain
+        among new pids is followed; a pid that vanished counts as not)."""
         if pid == self.owner:
+            return True
+        if pid in self.peers:
+            self.known[pid] = True  # counted like a descendant
             return True
         if pid in self.known:
             return self.known[pid]
