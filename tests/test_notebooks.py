@@ -28,6 +28,8 @@ PLANTED = {
     "02_vision_gpu": {"channels-last"},
     "03_inference": {"no-grad"},
 }
+# other processes' busy CPUs while measuring past which the machine is not a quiet one
+BUSY_CPUS = 0.5
 
 
 @pytest.fixture
@@ -73,6 +75,13 @@ def test_notebook_executes_and_saves_its_report(path: Path, kernel_env: Path) ->
     found = {f["id"] for f in item.data["findings"]}
     assert found >= PLANTED[path.stem], item.report
     assert item.data["baseline"]["median_s"] > 0 and item.data["variants"]
+    seen = item.data.get("load")
+    quiet = seen is not None and seen["other_cpu_s"] < BUSY_CPUS * seen["window_s"]
+    if path.stem == "01_quickstart" and quiet:
+        # the demo at its own budget on a quiet machine: every fix settled, none of them
+        # saying what budget would tell (beside other work a verdict may need more)
+        unsettled = [v for v in item.data["variants"] if v.get("budget_to_tell_s") is not None]
+        assert not unsettled, item.report
 
 
 def _quickstart_on_two_checks(folder: Path) -> Path:

@@ -56,6 +56,17 @@ compares ratios across rounds, waits for the interval; and a stall in one round 
 miss, not the whole test. So the baseline runs twice in every round while a fix is
 undecided, on a busy machine too.
 
+The rank test counts the rounds the fix was fastest in, not by how much; a fourth test
+weighs that too without a model of the noise: Fisher's randomisation test
+(`randomisation.py`, `_randomised`). Its statistic is the rounds' summed margin (each
+round's mean baseline log-time less the fix's), its distribution the one over every
+labelling of the rounds' places, which is exact under no change whatever the machine did. A
+fix 5-7 % faster than a run's 3-4 % jitter (anomaly mode in a loader-bound cell) is the
+fastest of its three runs in about three rounds of four, which the rank test's 7 of 7
+rarely sees, while the margins add up in 10-15 rounds. It is looked at every round from
+RANDOMISED_FIRST_LOOK, at RANDOMISED_ALPHA a side each look, and its interval is the
+speedups it does not reject.
+
 Measured coverage (`benchmarks/verdicts.py`: 20 recordings per control and load, 300 A/A
 rounds of two millisecond cells and 150 of a 22 ms training step, each replayed from every
 starting round, up to 40 looks: 12,600 starting points per load;
@@ -71,8 +82,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from ..report import NO_CHANGE_BAND
+from . import randomisation
 
 # Two-sided: each side may err with at most 0.05% per look. Measured on a 2-core machine
 # with another CPU-bound process beside the kernel, where a fix that changes nothing gave
@@ -122,6 +135,12 @@ RANK_MISSES = 1
 # a fix whose every ratio stays within the settled band, on a machine whose A/A ratios do
 # too, is settled "no clear change" after this many rounds (before any interval)
 QUIET_SETTLE_ROUNDS = 5
+# The randomisation test (`randomisation.py`): each look a chance of this much a side that
+# a fix changing nothing is called (replayed A/A rounds: 0.0002 added 0.2 % false verdicts
+# on a quiet machine, this 0.04 %), looked at every round from the first whose most extreme
+# labelling (3^-n) is that rare: 9 rounds
+RANDOMISED_ALPHA = 0.0001
+RANDOMISED_FIRST_LOOK = math.ceil(math.log(1 / RANDOMISED_ALPHA, 3))
 FASTER, SLOWER, NO_CLEAR_CHANGE = "faster", "slower", "no clear change"
 VERDICTS = (FASTER, SLOWER, NO_CLEAR_CHANGE)
 
@@ -221,6 +240,9 @@ class Speedup:
     # no busy round among the fix's (else the separation test waits for
     # BUSY_SEPARATION_ROUNDS)
     independent: bool = True
+    # the randomisation test's statistic in standard deviations towards the median's side
+    # (`randomisation.z_score`): a steady effect's grows with the square root of the rounds
+    margin: float | None = None
 
     @classmethod
     def of(
@@ -258,12 +280,25 @@ class Speedup:
         ):
             low, high = ordered[0] / noise_factor, ordered[-1] * noise_factor
             return cls(median, low, high, n, "separation", noise_factor, one_end)
-        kept = {"noise": noise_factor, "one_end": one_end, "independent": independent}
+        margin = (
+            randomisation.z_score([(math.log(a), math.log(b)) for a, b in pairs], side)
+            if pairs
+            else None
+        )
+        kept = {
+            "noise": noise_factor,
+            "one_end": one_end,
+            "independent": independent,
+            "margin": margin,
+        }
         ranked = _ranked(pairs)
         if ranked is not None:  # the (misses + 1)-th ratio from each end: past 1 on one side
             first = sorted(a for a, _ in pairs)
             low, high = first[ranked], first[len(first) - 1 - ranked]
             return cls(median, low, high, n, "ranks", **kept)
+        randomised = _randomised(pairs)
+        if randomised is not None:
+            return cls(median, *randomised, n, "randomisation", **kept)
         logs = [math.log(r) for r in ordered]
         rank = interval_rank(n, confidence)
         if rank is not None:
@@ -319,6 +354,11 @@ class Speedup:
                 sooner.append(
                     separate if self.independent else max(separate, BUSY_SEPARATION_ROUNDS)
                 )
+            if self.margin is not None and self.margin > 0:  # the randomisation test's
+                wanted = NormalDist().inv_cdf(1 - RANDOMISED_ALPHA)
+                projected = math.ceil(n * (wanted / self.margin) ** 2)
+                if projected <= MAX_LOOK_ROUNDS:  # a steady effect's margin, not noise
+                    sooner.append(max(n + 1, RANDOMISED_FIRST_LOOK, projected))
             return min(sooner) if sooner else max(min_rounds(), 2 * n)
         assert self.low is not None and self.high is not None
         half = (math.log(self.high) - math.log(self.low)) / 2
@@ -387,6 +427,18 @@ def _ranked(pairs: list[tuple[float, float]]) -> int | None:
     if _misses(pairs, 1.0) <= misses or _misses(pairs, -1.0) <= misses:
         return misses
     return None
+
+
+def _randomised(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """The randomisation test's interval (`randomisation.py`) where it tells the fix from no
+    change, looked at every round from RANDOMISED_FIRST_LOOK on; else None."""
+    if len(pairs) < RANDOMISED_FIRST_LOOK:
+        return None
+    logs = [(math.log(a), math.log(b)) for a, b in pairs]
+    found = randomisation.interval(logs, RANDOMISED_ALPHA)
+    if found is None or (found[0] <= 1.0 <= found[1]):
+        return None
+    return found
 
 
 def _rounds_to_separate(n: int) -> int:
