@@ -17,9 +17,10 @@ import time
 
 import pytest
 from busy_process import other_busy_process
-from workloads import namespace_with
+from workloads import detected, namespace_with
 
 from torchtune_magic import perfcheck
+from torchtune_magic.measuring.plan import promising_first
 from torchtune_magic.report import Report
 
 SETUP = """
@@ -117,6 +118,25 @@ def test_the_default_budget_settles_the_wins_of_a_cnn_training_cell():
     assert anomaly.rounds > workers.rounds, (anomaly, workers)
     assert waited <= plain + DEFAULT_BUDGET_S + PROMISE_SLACK_S, (waited, plain)
     _budget_kept(report)
+
+
+def test_the_loaders_fix_is_timed_before_anomaly_mode_whose_bound_leaves_out_the_waits():
+    """Anomaly mode slows the autograd work, never the waits for batches: with the loader
+    waiting most of the run its evidence allows far less than the loader's fix, which is
+    timed first (before, a fix with no bound counted as the most promising, and beside a
+    busy process anomaly mode took the only round there was)."""
+    try:
+        session = detected(CELL, namespace_with(SETUP), skip="cpu-threads", budget=DEFAULT_BUDGET_S)
+    finally:
+        import torch
+
+        torch.autograd.set_detect_anomaly(False)
+    timed, _ = promising_first(session.fixable)
+    order = [d.finding.id for d in timed]
+    assert order.index("dataloader-workers") < order.index("debug-anomaly"), order
+    gains = {d.finding.id: d.fix.most_gain for d in timed}
+    assert gains["debug-anomaly"] is not None and gains["debug-anomaly"] < 1.6, gains
+    assert gains["dataloader-workers"] > 2 * gains["debug-anomaly"], gains
 
 
 def _budget_kept(report: Report) -> None:

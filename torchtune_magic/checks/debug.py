@@ -145,6 +145,18 @@ class AnomalyOffFix(Fix):
         return _replaced_while_running(namespace, owners, ANOMALY_NAMES, _NoAnomaly)
 
 
+def _autograd_share(obs: Observation) -> float | None:
+    """The share of the probe's run anomaly mode can have slowed: all but the waits for
+    batches (it records a stack per autograd node and checks each gradient for NaN, work a
+    loader's wait holds none of). Loose, and leaning towards the fix (the probe's hooks
+    stretch the compute, not the waits), but it orders anomaly mode after a loader fix whose
+    waits promise more."""
+    if not obs.wall_s:
+        return None
+    waited = sum(use.wait_s for use in obs.loaders.values())
+    return max(0.0, 1.0 - waited / obs.wall_s)
+
+
 class AnomalyCheck(Check):
     id = "debug-anomaly"
     title = "Anomaly detection is on during the work"
@@ -206,7 +218,7 @@ class AnomalyCheck(Check):
                     segment=BACKWARD if obs.backward_with_anomaly else FORWARD,
                     code_change=CodeChange(codeedit.unified_diff(source, fixed), elsewhere),
                 ),
-                AnomalyOffFix(),
+                AnomalyOffFix().bounded_by(_autograd_share(obs)),
                 fixed,
                 list(earlier),
             )

@@ -70,10 +70,11 @@ speedups it does not reject.
 Measured coverage (`benchmarks/verdicts.py`: 20 recordings per control and load, 300 A/A
 rounds of two millisecond cells and 150 of a 22 ms training step, each replayed from every
 starting round, up to 40 looks: 12,600 starting points per load;
-`benchmarks/results/verdicts-*.json`): quiet, 0.37 % false verdicts (the 99.8 % interval
-alone: 0.38 %), the rank test's 0.22 % and the separation test's 0.02 % of them; beside a
-CPU-bound process 0.56 % (0.69 %): the interval's 0.33 %, the rank test's 0.15 %, the
-separation test's 0.08 %. Before it waited for five rounds where the load meter saw other
+`benchmarks/results/verdicts-*.json`): quiet, 0.45 % false verdicts (the 99.8 % interval
+alone: 0.38 %): the interval's 0.13 %, the rank test's 0.22 %, the separation test's 0.06 %,
+the randomisation test's 0.04 %; beside a CPU-bound process 0.57 % (0.69 %): the
+interval's 0.32 %, the rank test's 0.15 %, the separation test's 0.08 %, the randomisation
+test's 0.02 %. Before it waited for five rounds where the load meter saw other
 processes busy, the separation test gave three quarters of 1.08 % there.
 """
 
