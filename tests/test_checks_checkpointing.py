@@ -39,6 +39,10 @@ x = torch.randn(512, 128)
 STEP = "loss = model(x).square().mean()\nloss.backward()\nopt.step()\nopt.zero_grad()\n"
 
 
+# other processes' busy CPUs while measuring past which the machine is not a quiet one
+BUSY_CPUS = 0.5
+
+
 def namespace(setup: str = DEEP_MLP) -> dict[str, Any]:
     return namespace_with(setup)
 
@@ -59,7 +63,13 @@ def test_cuts_measured_peak_memory_on_a_deep_residual_mlp():
     assert "--memory" in found.evidence and "slower" in found.caveat
     variant = report.variant_for(["activation-checkpointing"])
     assert variant.error is None
-    assert variant.peak_memory_bytes is not None, report.warnings
+    if variant.peak_memory_bytes is None:
+        # beside other work a profiled run took longer than the reserve kept for it (a fresh
+        # clone's run beside a CPU-bound process: 233 ms, at 8 s): said, never guessed
+        seen = report.load
+        assert seen is not None and seen.busy_cpus >= BUSY_CPUS, (report.warnings, seen)
+        assert any("raise --budget to have them" in w for w in report.warnings)
+        return
     assert report.baseline.peak_memory_bytes >= 2 * variant.peak_memory_bytes
     assert variant.speedup is not None  # the time cost is measured and reported too
     assert variant.numerics.verdict in ("identical", "close")

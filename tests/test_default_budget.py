@@ -124,19 +124,27 @@ def test_the_loaders_fix_is_timed_before_anomaly_mode_whose_bound_leaves_out_the
     """Anomaly mode slows the autograd work, never the waits for batches: with the loader
     waiting most of the run its evidence allows far less than the loader's fix, which is
     timed first (before, a fix with no bound counted as the most promising, and beside a
-    busy process anomaly mode took the only round there was)."""
+    busy process anomaly mode took the only round there was). A fresh clone's run beside a
+    CPU-bound process saw the waits under half the probe's run: anomaly mode first then,
+    as its bound says."""
     try:
         session = detected(CELL, namespace_with(SETUP), skip="cpu-threads", budget=DEFAULT_BUDGET_S)
     finally:
         import torch
 
         torch.autograd.set_detect_anomaly(False)
+    obs = session.observation
+    waited = sum(use.wait_s for use in obs.loaders.values()) / obs.wall_s
     timed, _ = promising_first(session.fixable)
     order = [d.finding.id for d in timed]
-    assert order.index("dataloader-workers") < order.index("debug-anomaly"), order
     gains = {d.finding.id: d.fix.most_gain for d in timed}
-    assert gains["debug-anomaly"] is not None and gains["debug-anomaly"] < 1.6, gains
-    assert gains["dataloader-workers"] > 2 * gains["debug-anomaly"], gains
+    # Amdahl over all of the run but the waits
+    assert gains["debug-anomaly"] == pytest.approx(1 / waited), (gains, waited)
+    if waited > 0.6:  # a quiet machine's probe: the loader waits 70-80 % of the run
+        assert gains["debug-anomaly"] < 1.6 < 2.5 < gains["dataloader-workers"], gains
+        assert order.index("dataloader-workers") < order.index("debug-anomaly"), order
+    # beside a busy process the compute stretches and the waits do not: the bounds then
+    # come nearer each other, and both are still timed
 
 
 def _budget_kept(report: Report) -> None:
