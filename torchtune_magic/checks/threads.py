@@ -158,8 +158,8 @@ def _ranks_sharing_cores() -> int:
     process may use too; 1 outside torchrun. Ranks pinned to CPUs of their own do not
     count: their affinity masks do not meet this one."""
     mine = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    ranks = lockstep.gathered((socket.gethostname(), mine))
     here = socket.gethostname()
+    ranks = lockstep.gathered((here, mine))
     return max(
         1,
         sum(

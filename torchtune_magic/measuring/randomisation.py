@@ -10,7 +10,7 @@ through a stall regime spanning rounds, as the rank test does (`verdict._ranked`
 the rank test only counts the rounds in which the fix was the fastest, this one weighs by
 how much: a fix 5 % faster than a run's jitter of 3-4 % (anomaly mode in a loader-bound
 cell) is the fastest of its three runs in only about three rounds of four, which the rank
-test's 7 of 7 rarely sees, while its mean margin stands out in 8 to 10 rounds here.
+test's 7 of 7 rarely sees, while its margins add up in 10-15 rounds here.
 
 The statistic is each round's mean baseline log-time less the fix's, summed over the
 rounds; its distribution over the 3^n equally likely labellings of the same times is worked
@@ -71,9 +71,31 @@ def p_value(pairs: list[tuple[float, float]], side: float, shift: float = 0.0) -
     `side` (1: the fix faster, -1: slower) as the one seen. `pairs`: each round's two
     baseline log-times less the fix's; `shift`: the log-speedup the null hypothesis grants
     the fix (0: no change)."""
+    return _chance(*_labelled(pairs, side, shift)) if pairs else 1.0
+
+
+def z_score(pairs: list[tuple[float, float]], side: float, shift: float = 0.0) -> float:
+    """How many standard deviations of its labellings' distribution the statistic seen lies
+    towards `side` from their mean: it grows with the square root of the rounds for a
+    steady effect, which says how many more rounds would tell."""
+    return _z(*_labelled(pairs, side, shift)) if pairs else 0.0
+
+
+def rejects(
+    pairs: list[tuple[float, float]], side: float, alpha: float, shift: float = 0.0
+) -> bool:
+    """Whether the test rejects at `alpha` towards `side`. A statistic within SCREEN_Z
+    standard deviations of its labellings' mean is not worked out: a sum of rounds' bounded
+    values that near its mean has a tail far above any alpha used here (a thousandth and
+    more, where alpha is a fraction of that), and the exact chance costs a convolution."""
     if not pairs:
-        return 1.0
+        return False
     rounds, seen = _labelled(pairs, side, shift)
+    return _z(rounds, seen) >= SCREEN_Z and _chance(rounds, seen) <= alpha
+
+
+def _chance(rounds: list[list[int]], seen: int) -> float:
+    """P(sum >= seen) when each round adds one of its three values, each with chance 1/3."""
     chances, lowest = np.ones(1), 0  # chances[i]: the chance that the sum is lowest + i
     for values in rounds:
         low, high = min(values), max(values)
@@ -84,28 +106,10 @@ def p_value(pairs: list[tuple[float, float]], side: float, shift: float = 0.0) -
     return float(chances[max(0, seen - lowest) :].sum())
 
 
-def z_score(pairs: list[tuple[float, float]], side: float, shift: float = 0.0) -> float:
-    """How many standard deviations of its labellings' distribution the statistic seen lies
-    towards `side` from their mean: it grows with the square root of the rounds for a
-    steady effect, which says how many more rounds would tell."""
-    if not pairs:
-        return 0.0
-    rounds, seen = _labelled(pairs, side, shift)
+def _z(rounds: list[list[int]], seen: int) -> float:
     mean = sum(sum(values) / 3.0 for values in rounds)
     variance = sum(sum(v * v for v in values) / 3.0 - (sum(values) / 3.0) ** 2 for values in rounds)
     return (seen - mean) / math.sqrt(variance) if variance > 0 else 0.0
-
-
-def rejects(
-    pairs: list[tuple[float, float]], side: float, alpha: float, shift: float = 0.0
-) -> bool:
-    """Whether the test rejects at `alpha` towards `side`. A statistic within SCREEN_Z
-    standard deviations of its labellings' mean is not worked out: a sum of rounds' bounded
-    values that near its mean has a tail far above any alpha used here (a thousandth and
-    more, where alpha is a fraction of that), and the exact chance costs a convolution."""
-    if z_score(pairs, side, shift) < SCREEN_Z:
-        return False
-    return p_value(pairs, side, shift) <= alpha
 
 
 def interval(pairs: list[tuple[float, float]], alpha: float) -> tuple[float, float] | None:
