@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from ..cell import loops
 from ..cell.workload import Workload
 from ..distributed import lockstep
-from ..kernel import discovery
+from ..kernel import construction, discovery
 from . import graphs, memory
 from .memory import OpEvent
 
@@ -217,6 +217,9 @@ class Observation:
     found: dict[int, discovery.Found] = field(default_factory=dict)
     preexisting: set[int] = field(default_factory=set)  # ids in `found` before the cell ran
     names_before: frozenset[str] = frozenset()  # namespace names bound before the cell ran
+    # modules the checked code built in the run, by id: where and in which order
+    # (`kernel/construction`), so a fix can reach the same ones in every measuring run
+    constructed: dict[int, construction.Key] = field(default_factory=dict)
     device: str = "cpu"
     # minor page faults of this process during the probe run (None where the OS does not
     # report them): the allocator handing memory back to the OS and faulting it in again
