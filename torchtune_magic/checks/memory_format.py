@@ -18,6 +18,7 @@ import torch
 
 from ..cell.workload import synchronize
 from ..distributed import lockstep
+from ..kernel import construction
 from ..kernel.fixes import Fix, Patcher
 from ..report import FORWARD, SLOWER_HERE, Checked, CodeChange, count
 from .base import Check, Detection
@@ -64,11 +65,21 @@ class ChannelsLastFix(Fix):
     check_id = "channels-last"
     tolerance = 1e-5  # NHWC kernels sum in another order: last-bit differences are "close"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(
+        self, model: torch.nn.Module | None, built: construction.AtConstruction | None = None
+    ):
         super().__init__()
-        self.model = model
+        self.model = model  # None: the checked code builds it (`built` reaches each run's)
+        self.built = built
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        if self.built is None:
+            return contextlib.nullcontext()
+        return self.built.watched(namespace)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        if self.model is None:
+            return
         tensors = [*self.model.parameters(), *self.model.buffers()]
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         for tensor in tensors:
@@ -87,14 +98,24 @@ class ChannelsLastFix(Fix):
 
             patcher.call(convert, restore)
         handle: list[Any] = []
+        model = self.model
         patcher.call(
-            lambda: handle.append(self.model.register_forward_pre_hook(_channels_last_inputs)),
+            lambda: handle.append(model.register_forward_pre_hook(_channels_last_inputs)),
             lambda: handle.pop().remove(),
         )
 
 
 def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLastFix:
-    """The fix, refusing later if the model was replaced since the probe."""
+    """The fix, refusing later if the model was replaced since the probe; for a model the
+    checked code builds, given to the model each run builds, at its first call."""
+    key = obs.constructed.get(id(model))
+    if key is not None:
+        return ChannelsLastFix(
+            None,
+            construction.AtConstruction(
+                obs.workload, [key], key, lambda built: ChannelsLastFix(built[0])
+            ),
+        )
     fix = ChannelsLastFix(model)
     fix.seen = obs.places_of(model)
     return fix
