@@ -86,7 +86,8 @@ def test_the_conv_fix_reached_the_run_s_conv_and_its_code_change_edits_the_const
     assert _variant(report, "conv-bias-bn").numerics.verdict != "identical"
     diff = finding.code_change.diff
     assert "+layers = [nn.Conv2d(3, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]" in diff
-    assert "+    layers += [nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]" in diff
+    looped = "+    layers += [nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]"
+    assert looped in diff  # the call that built all three convs of the loop
     assert "change the constructors" not in (finding.details or "")
 
 
