@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from slow_data import SlowImages
 
 torch.manual_seed(0)
-loader = DataLoader(SlowImages(n=96, size=32, delay_s=0.002), batch_size=32, shuffle=True)
+loader = DataLoader(SlowImages(n=64, size=16, delay_s=0.004), batch_size=16, shuffle=True)
 layers = [nn.Conv2d(3, 16, 1), nn.BatchNorm2d(16), nn.ReLU()]
 for _ in range(3):
     layers += [nn.Conv2d(16, 16, 1), nn.BatchNorm2d(16), nn.ReLU()]

@@ -367,7 +367,7 @@ class ConvBiasBNCheck(Check):
                 f"{'is' if len(outside) == 1 else 'are'} built by library code the cell "
                 "calls, whose constructor is not in the checked code"
             )
-        earlier = _earlier_edits(obs, pairs)
+        earlier = _earlier_edits(obs, kept)  # the convs the cell builds: edited in it
         edited = {path for path, _ in earlier}
         return [
             Detection(

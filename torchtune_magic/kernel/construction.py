@@ -48,12 +48,8 @@ class Key:
     col: int | None
     ordinal: int
 
-    def __str__(self) -> str:
-        name = self.kind.rsplit(".", 1)[-1]
-        return f"{name} #{self.ordinal + 1} built at cell line {self.line}"
 
-
-def kind_of(obj: Any) -> str:
+def _kind_of(obj: Any) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -82,7 +78,7 @@ class Constructions:
         if site is None:
             self.keys.pop(id(obj), None)  # an object of the cell's that had this id is gone
             return None
-        kind = kind_of(obj)
+        kind = _kind_of(obj)
         line, col = site
         ordinal = self._counts[(kind, line, col)]
         self._counts[(kind, line, col)] += 1
