@@ -238,3 +238,17 @@ def test_composes_with_no_grad_in_any_order():
     report = session.measure([["conv-bias-bn", "no-grad"]])
     both = report.variant_for(["conv-bias-bn", "no-grad"])
     assert both.error is None and both.numerics.verdict in ("identical", "close")
+
+
+def test_model_copied_in_the_cell_is_not_fixed_and_says_why():
+    """A copy is made without a constructor call the fix could follow into the next run."""
+    ns = namespace("import copy\nx = torch.randn(2, 3, 8, 8)\n")
+    cell = (
+        "model = copy.deepcopy(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))\n"
+        "out = model(x)\n"
+    )
+    finding = _finding(cell, ns)
+    assert not finding.fixable
+    assert "model.0, model.1 are made anew on every run without a constructor call" in (
+        finding.details
+    )

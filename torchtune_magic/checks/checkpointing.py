@@ -115,12 +115,16 @@ def repeated_blocks(obs: Observation) -> list[tuple[torch.nn.Module, list[torch.
     return chosen
 
 
-def _checkpoint_fix(obs: Observation, blocks: list[torch.nn.Module]) -> CheckpointFix:
+def _checkpoint_fix(obs: Observation, blocks: list[torch.nn.Module]) -> CheckpointFix | None:
     """The fix for these blocks: on the blocks themselves where they were built before the
     cell (refused later if their model was replaced since the probe), on each run's new
-    blocks, as the model holding them is first called, where the checked code builds them."""
+    blocks, as the model holding them is first called, where the checked code builds them;
+    None where no construction in the checked code shows how each run makes one of them."""
     paths = [obs.module_path(block) for block in blocks]
     keys = [obs.constructed.get(id(block)) for block in blocks]
+    pairs = zip(keys, blocks, strict=True)
+    if any(key is None and construction.built_by_cell(obs, block) for key, block in pairs):
+        return None
     if not any(keys):
         fix = CheckpointFix(dict(zip(paths, blocks, strict=True)))
         fix.seen = obs.places_of(*blocks)
@@ -186,6 +190,8 @@ class ActivationCheckpointingCheck(Check):
         details = None
         first = obs.module_path(found[0][0])
         fix = _checkpoint_fix(obs, blocks)
+        if fix is None:
+            details = f"not applied live: the blocks are {construction.UNREACHED}"
         elsewhere = [
             f"in the forward that loops over {first}: "
             "x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)"
@@ -202,7 +208,7 @@ class ActivationCheckpointingCheck(Check):
                 elsewhere, earlier = change.elsewhere, change.earlier
             # train() would switch the model's layers to checkpointing for good (nothing in
             # the Trainer switches them back), so the live fix wraps the blocks itself
-            details = (
+            details = details or (
                 f"live fix: the blocks checkpointed directly ({setting}=True would switch "
                 "the model's layers for good, beyond an exact undo)"
             )
@@ -212,7 +218,7 @@ class ActivationCheckpointingCheck(Check):
                     evidence=evidence,
                     details=details,  # no segment: a memory fix, paid for in time
                     where=", ".join(obs.module_path(c) for c, _ in found),
-                    fixable=True,
+                    fixable=fix is not None,
                     caveat=(
                         "a memory fix: each block's forward runs again during backward, so "
                         "the cell usually gets slower; compare the peak memory before/after"

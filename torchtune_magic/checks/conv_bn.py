@@ -189,17 +189,6 @@ def _constructor(conv: nn.Module) -> str:
     return f"nn.{type(conv).__name__}({conv.extra_repr()}, bias=False)"
 
 
-def _built_in_cell(obs: Observation, module: nn.Module) -> bool:
-    """True when no model that existed before the cell contains `module` (the cell builds
-    its model, so every run makes new modules a live fix cannot reach)."""
-    return not any(
-        key in obs.preexisting
-        and isinstance(entry.obj, nn.Module)
-        and any(sub is module for sub in entry.obj.modules())
-        for key, entry in obs.found.items()
-    )
-
-
 def _earlier_edits(obs: Observation, pairs: list[_Pair]) -> list[tuple[str, history.CallEdit]]:
     """`bias=False` on the constructor call of each paired conv, in the earlier cell that
     built it: (module path, edit). A call that also built a conv outside the pairs (one
@@ -342,15 +331,14 @@ class ConvBiasBNCheck(Check):
             f"{'was' if params == 1 else 'were'} added and then subtracted again by the "
             "BatchNorm's mean"
         )
-        built = [pair for pair in pairs if _built_in_cell(obs, pair.conv)]
-        kept = [pair for pair in pairs if not _built_in_cell(obs, pair.conv)]
+        built = [pair for pair in pairs if construction.built_by_cell(obs, pair.conv)]
+        kept = [pair for pair in pairs if not construction.built_by_cell(obs, pair.conv)]
         at_construction, unkeyed = _at_construction(obs, built)
         fix = None
         if unkeyed:
             details += (
                 f"; not applied live: {', '.join(unkeyed)} "
-                f"{'is' if len(unkeyed) == 1 else 'are'} built outside the checked code on "
-                "every run, where no fix can tell them apart: change the constructors"
+                f"{'is' if len(unkeyed) == 1 else 'are'} {construction.UNREACHED}"
             )
         else:
             fix = DropConvBiasFix(kept, at_construction).bounded_by(saved_share(obs, pairs))

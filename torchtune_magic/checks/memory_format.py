@@ -105,10 +105,13 @@ class ChannelsLastFix(Fix):
         )
 
 
-def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLastFix:
+def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLastFix | None:
     """The fix, refusing later if the model was replaced since the probe; for a model the
-    checked code builds, given to the model each run builds, at its first call."""
+    checked code builds, given to the model each run builds, at its first call (None where
+    no construction in the checked code shows how each run makes it)."""
     key = obs.constructed.get(id(model))
+    if key is None and construction.built_by_cell(obs, model):
+        return None
     if key is not None:
         return ChannelsLastFix(
             None,
@@ -328,6 +331,9 @@ class ChannelsLastCheck(Check):
         ]
         if timings:
             details.append(_timing_text(timings))
+        fix = _channels_last_fix(obs, model)
+        if fix is None:
+            details.append(f"not applied live: {name} is {construction.UNREACHED}")
         caveat = (
             "measure, never assume: channels_last regresses some models (most of the gain is "
             "on GPU with AMP)"
@@ -341,7 +347,7 @@ class ChannelsLastCheck(Check):
                 evidence=f"{name}'s convolutions {share.lead}, on NCHW-contiguous input",
                 details="; ".join(details),
                 where=name,
-                fixable=True,
+                fixable=fix is not None,
                 caveat=caveat,
                 segment=FORWARD,
                 code_change=CodeChange(
@@ -353,7 +359,7 @@ class ChannelsLastCheck(Check):
                     ],
                 ),
             ),
-            _channels_last_fix(obs, model).bounded_by(share.share),
+            fix.bounded_by(share.share) if fix is not None else None,
         )
 
 

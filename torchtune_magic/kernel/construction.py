@@ -235,6 +235,23 @@ class AtConstruction:
         return args if changed else None
 
 
+def built_by_cell(obs: Observation, module: torch.nn.Module) -> bool:
+    """True when no model that existed before the cell contains `module`: the checked code
+    made it, so every run makes a new one, which only a fix at construction reaches."""
+    return not any(
+        key in obs.preexisting
+        and isinstance(entry.obj, torch.nn.Module)
+        and any(sub is module for sub in entry.obj.modules())
+        for key, entry in obs.found.items()
+    )
+
+
+UNREACHED = (
+    "made anew on every run without a constructor call in the checked code to follow "
+    "(copied, unpickled or built in another thread): change the constructors"
+)
+
+
 def trigger_for(obs: Observation, objects: list[Any]) -> Any:
     """Of the modules the probe saw called from outside any other module, the outermost
     one the checked code built that holds all `objects` (its first call comes before any
