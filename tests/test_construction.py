@@ -1,4 +1,4 @@
-"""Recognising the modules the checked code builds (`kernel/construction`): the same key
+"""Recognising the modules the checked code builds (`probe/construction`): the same key
 for the same object in every run, one ordinal per object a loop builds at one call, nothing
 for objects built elsewhere; and live fixes given to each run's new modules at their
 model's first call, gone when the run's context ends."""
@@ -13,7 +13,7 @@ from workloads import detected
 
 from torchtune_magic.cell.workload import Workload
 from torchtune_magic.checks import checkpointing, memory_format
-from torchtune_magic.kernel import construction
+from torchtune_magic.probe import construction
 
 ORIGINAL_INIT = nn.Module.__init__
 

@@ -1,7 +1,7 @@
 """A one-cell program (issue 33): the DataLoader, a Conv→BatchNorm model and the optimizer
 are built in the same cell that trains, as scripts and many notebooks are written. Every
 measuring run builds new ones, so the fixes reach them where and in the order the cell
-builds them (`kernel/construction`): the loader's workers and the dropped conv bias are
+builds them (`probe/construction`): the loader's workers and the dropped conv bias are
 both measured, and the kernel ends as after one plain run, with nothing of ours left on
 the modules or on torch's classes."""
 

@@ -170,7 +170,7 @@ class Workload:
 
     def source_compiled_as(self, code: Any) -> str | None:
         """The text `code` (a module code object `code_for` made) was compiled from: which
-        of the fixed versions a running frame executes (`kernel/construction`)."""
+        of the fixed versions a running frame executes (`probe/construction`)."""
         for (source, _), compiled in self._compiled.items():
             if compiled is code:
                 return source

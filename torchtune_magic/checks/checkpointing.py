@@ -17,10 +17,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..cell.history import CallEdit
-from ..kernel import construction
 from ..kernel.fixes import Fix, Patcher
 from ..kernel.state import available_memory_bytes
-from ..probe import frameworks
+from ..probe import construction, frameworks
 from ..report import CodeChange
 from .base import Check, Detection
 
@@ -123,7 +122,7 @@ def _checkpoint_fix(obs: Observation, blocks: list[torch.nn.Module]) -> Checkpoi
     paths = [obs.module_path(block) for block in blocks]
     keys = [obs.constructed.get(id(block)) for block in blocks]
     pairs = zip(keys, blocks, strict=True)
-    if any(key is None and construction.built_by_cell(obs, block) for key, block in pairs):
+    if any(key is None and obs.built_by_cell(block) for key, block in pairs):
         return None
     if not any(keys):
         fix = CheckpointFix(dict(zip(paths, blocks, strict=True)))
@@ -134,7 +133,7 @@ def _checkpoint_fix(obs: Observation, blocks: list[torch.nn.Module]) -> Checkpoi
         path: block for path, block, key in zip(paths, blocks, keys, strict=True) if key is None
     }
     built_blocks = [block for block, key in zip(blocks, keys, strict=True) if key is not None]
-    trigger = obs.constructed[id(construction.trigger_for(obs, built_blocks))]
+    trigger = obs.constructed[id(obs.first_called(built_blocks))]
 
     def make(run_blocks: list[Any]) -> CheckpointFix:
         return CheckpointFix(

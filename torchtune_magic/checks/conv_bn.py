@@ -17,8 +17,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..cell import codeedit, history
-from ..kernel import construction, discovery
+from ..kernel import discovery
 from ..kernel.fixes import Fix, Patcher
+from ..probe import construction
 from ..report import FORWARD, CodeChange, count
 from . import bounds
 from .base import Check, Detection
@@ -228,7 +229,7 @@ def _at_construction(
     obs: Observation, pairs: list[_Pair]
 ) -> tuple[construction.AtConstruction | None, list[str]]:
     """The fix for pairs the checked code builds, given to each run's new convs and
-    BatchNorms by where and in which order they are built (`kernel/construction`); or the
+    BatchNorms by where and in which order they are built (`probe/construction`); or the
     paths of the modules no construction key identifies (built outside the checked code)."""
     if not pairs:
         return None, []
@@ -247,7 +248,7 @@ def _at_construction(
             made.append(_Pair(conv, [next(modules) for _ in range(norms)], calls))
         return DropConvBiasFix(made)
 
-    trigger = construction.trigger_for(obs, objects)
+    trigger = obs.first_called(objects)
     return (
         construction.AtConstruction(
             obs.workload, [keys[id(module)] for module in objects], keys[id(trigger)], make
@@ -331,8 +332,8 @@ class ConvBiasBNCheck(Check):
             f"{'was' if params == 1 else 'were'} added and then subtracted again by the "
             "BatchNorm's mean"
         )
-        built = [pair for pair in pairs if construction.built_by_cell(obs, pair.conv)]
-        kept = [pair for pair in pairs if not construction.built_by_cell(obs, pair.conv)]
+        built = [pair for pair in pairs if obs.built_by_cell(pair.conv)]
+        kept = [pair for pair in pairs if not obs.built_by_cell(pair.conv)]
         at_construction, unkeyed = _at_construction(obs, built)
         fix = None
         if unkeyed:

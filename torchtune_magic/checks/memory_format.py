@@ -18,8 +18,8 @@ import torch
 
 from ..cell.workload import synchronize
 from ..distributed import lockstep
-from ..kernel import construction
 from ..kernel.fixes import Fix, Patcher
+from ..probe import construction
 from ..report import FORWARD, SLOWER_HERE, Checked, CodeChange, count
 from .base import Check, Detection
 
@@ -110,7 +110,7 @@ def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLast
     checked code builds, given to the model each run builds, at its first call (None where
     no construction in the checked code shows how each run makes it)."""
     key = obs.constructed.get(id(model))
-    if key is None and construction.built_by_cell(obs, model):
+    if key is None and obs.built_by_cell(model):
         return None
     if key is not None:
         return ChannelsLastFix(

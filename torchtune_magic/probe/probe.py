@@ -21,9 +21,9 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ..cell import loops
 from ..cell.workload import CellError, Workload, synchronize
-from ..kernel import allocator, construction, discovery
+from ..kernel import allocator, discovery
 from ..kernel.fixes import Patcher
-from . import load, memory
+from . import construction, load, memory
 from .observation import CallSite, Observation
 from .recorder import SPAN_MARK, Recorder
 from .steps import StepLimitReached

@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .fixes import Fix, Patcher
+from ..kernel.fixes import Fix, Patcher
 
 if TYPE_CHECKING:
     from ..cell.workload import Workload
-    from ..probe.observation import Observation
 
 
 @dataclass(frozen=True)
@@ -235,34 +234,7 @@ class AtConstruction:
         return args if changed else None
 
 
-def built_by_cell(obs: Observation, module: torch.nn.Module) -> bool:
-    """True when no model that existed before the cell contains `module`: the checked code
-    made it, so every run makes a new one, which only a fix at construction reaches."""
-    return not any(
-        key in obs.preexisting
-        and isinstance(entry.obj, torch.nn.Module)
-        and any(sub is module for sub in entry.obj.modules())
-        for key, entry in obs.found.items()
-    )
-
-
 UNREACHED = (
     "made anew on every run without a constructor call in the checked code to follow "
     "(copied, unpickled or built in another thread): change the constructors"
 )
-
-
-def trigger_for(obs: Observation, objects: list[Any]) -> Any:
-    """Of the modules the probe saw called from outside any other module, the outermost
-    one the checked code built that holds all `objects` (its first call comes before any
-    of theirs); else the first object itself."""
-    holders = [
-        use.module
-        for use in obs.modules.values()
-        if use.outer_calls
-        and id(use.module) in obs.constructed
-        and all(any(sub is obj for sub in use.module.modules()) for obj in objects)
-    ]
-    if holders:
-        return max(holders, key=lambda module: sum(1 for _ in module.modules()))
-    return objects[0]
