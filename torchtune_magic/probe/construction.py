@@ -8,7 +8,7 @@ built in `Net.__init__` defined in the cell is keyed by that line, one built ins
 library model by the cell line calling the library) and its place among the objects of
 that class built there in this run (a loop building four convs at one line gives ordinals
 0 to 3). The probe records each object's `Key` (`recording`); a measuring run with a fix
-watches the same keys (`applied_at_construction`) and hands that run's objects to the fix
+watches the same keys (`AtConstruction.watched`) and hands that run's objects to the fix
 before they are first used, undoing it when the run's context exits.
 
 Only modules are recognised (`torch.nn.Module.__init__` is wrapped while a recording or a
@@ -179,7 +179,7 @@ class AtConstruction:
         make: Callable[[list[Any]], Fix],
     ):
         self.workload, self.keys, self.trigger, self.make = workload, list(keys), trigger, make
-        self.applied_runs = 0  # runs in which the fix reached its objects (for tests, notes)
+        self.applied_runs = 0  # runs in which the fix reached its objects
 
     @contextlib.contextmanager
     def watched(self, namespace: dict[str, Any]) -> Iterator[None]:
