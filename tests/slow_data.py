@@ -51,3 +51,21 @@ class BusyDataset(Dataset):
         for step in range(self.work):
             total += step * step % 7
         return self.x[index] + total * 0.0, self.y[index]
+
+
+class SlowImages(Dataset):
+    """Small 3-channel images with class labels, each item costing `delay_s` of waiting
+    (a sleep, as reading a file does): for a Conv→BatchNorm model trained in one cell."""
+
+    def __init__(self, n: int = 128, size: int = 16, classes: int = 10, delay_s: float = 0.004):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 3, size, size, generator=generator)
+        self.y = torch.randint(0, classes, (n,), generator=generator)
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay_s)
+        return self.x[index], self.y[index]

@@ -152,11 +152,35 @@ x = torch.randn(2, 3, 4, 4)
     assert detected("out = model(x)\n", namespace(setup)).detections == []
 
 
-def test_model_built_in_the_cell_is_not_fixed_live():
+def test_model_built_in_the_cell_is_fixed_as_each_run_builds_it():
+    """Every run builds a new model: the fix reaches each run's conv, and the code change
+    edits the constructor call in the cell itself."""
     ns = namespace("x = torch.randn(2, 3, 8, 8)\n")
     cell = "model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))\nout = model(x)\n"
-    finding = _finding(cell, ns)
-    assert not finding.fixable and "the cell builds model.0 itself" in finding.details
+    (detection,) = detected(cell, ns).detections
+    assert detection.finding.fixable and "builds model.0 on every run" in detection.finding.details
+    assert "nn.Conv2d(3, 4, 3, bias=False)" in detection.fixed_source
+    assert (
+        "+model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False)"
+        in detection.finding.code_change.diff
+    )
+
+
+def test_model_built_by_code_the_cell_calls_is_fixed_and_the_constructor_named():
+    """The convs are built inside a function from an earlier cell: the live fix still
+    reaches them (by the cell line calling it and their order), the change is said in words."""
+    setup = (
+        "x = torch.randn(2, 3, 8, 8)\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))\n"
+    )
+    (detection,) = detected("model = make()\nout = model(x)\n", namespace(setup)).detections
+    finding = detection.finding
+    assert finding.fixable and detection.fixed_source is None
+    assert "built by library code the cell calls" in finding.details
+    assert finding.code_change.elsewhere == [
+        "model.0: nn.Conv2d(3, 4, kernel_size=(3, 3), stride=(1, 1), bias=False)"
+    ]
 
 
 def test_apply_undo_round_trip_is_exact():
@@ -214,3 +238,17 @@ def test_composes_with_no_grad_in_any_order():
     report = session.measure([["conv-bias-bn", "no-grad"]])
     both = report.variant_for(["conv-bias-bn", "no-grad"])
     assert both.error is None and both.numerics.verdict in ("identical", "close")
+
+
+def test_model_copied_in_the_cell_is_not_fixed_and_says_why():
+    """A copy is made without a constructor call the fix could follow into the next run."""
+    ns = namespace("import copy\nx = torch.randn(2, 3, 8, 8)\n")
+    cell = (
+        "model = copy.deepcopy(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))\n"
+        "out = model(x)\n"
+    )
+    finding = _finding(cell, ns)
+    assert not finding.fixable
+    assert "model.0, model.1 are made anew on every run without a constructor call" in (
+        finding.details
+    )

@@ -168,6 +168,14 @@ class Workload:
             raise CellError(error) from error
         return time.perf_counter() - start
 
+    def source_compiled_as(self, code: Any) -> str | None:
+        """The text `code` (a module code object `code_for` made) was compiled from: which
+        of the fixed versions a running frame executes (`probe/construction`)."""
+        for (source, _), compiled in self._compiled.items():
+            if compiled is code:
+                return source
+        return None
+
     @property
     def fixed_filename(self) -> str:
         return f"{self.filename[:-1]} with fixes>"

@@ -9,6 +9,7 @@ constraint: the user asked (`--memory`) or the peak is a large share of the devi
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cell.history import CallEdit
 from ..kernel.fixes import Fix, Patcher
 from ..kernel.state import available_memory_bytes
-from ..probe import frameworks
+from ..probe import construction, frameworks
 from ..report import CodeChange
 from .base import Check, Detection
 
@@ -50,9 +51,20 @@ class CheckpointFix(Fix):
     saves_memory = True
     cuts_memory_on = frozenset({"cpu", "cuda"})
 
-    def __init__(self, blocks: dict[str, torch.nn.Module]):
+    def __init__(
+        self,
+        blocks: dict[str, torch.nn.Module],
+        built: construction.AtConstruction | None = None,
+    ):
         super().__init__()
         self.blocks = blocks  # by module path, e.g. "model.blocks.0"
+        # blocks the checked code builds: the same change given to each run's new blocks
+        self.built = built
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        if self.built is None:
+            return contextlib.nullcontext()
+        return self.built.watched(namespace)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         for path, block in self.blocks.items():
@@ -102,6 +114,38 @@ def repeated_blocks(obs: Observation) -> list[tuple[torch.nn.Module, list[torch.
     return chosen
 
 
+def _checkpoint_fix(obs: Observation, blocks: list[torch.nn.Module]) -> CheckpointFix | None:
+    """The fix for these blocks: on the blocks themselves where they were built before the
+    cell (refused later if their model was replaced since the probe), on each run's new
+    blocks, as the model holding them is first called, where the checked code builds them;
+    None where no construction in the checked code shows how each run makes one of them."""
+    paths = [obs.module_path(block) for block in blocks]
+    keys = [obs.constructed.get(id(block)) for block in blocks]
+    pairs = zip(keys, blocks, strict=True)
+    if any(key is None and obs.built_by_cell(block) for key, block in pairs):
+        return None
+    if not any(keys):
+        fix = CheckpointFix(dict(zip(paths, blocks, strict=True)))
+        fix.seen = obs.places_of(*blocks)
+        return fix
+    built = [(path, key) for path, key in zip(paths, keys, strict=True) if key is not None]
+    kept = {
+        path: block for path, block, key in zip(paths, blocks, keys, strict=True) if key is None
+    }
+    built_blocks = [block for block, key in zip(blocks, keys, strict=True) if key is not None]
+    trigger = obs.constructed[id(obs.first_called(built_blocks))]
+
+    def make(run_blocks: list[Any]) -> CheckpointFix:
+        return CheckpointFix(
+            {path: block for (path, _), block in zip(built, run_blocks, strict=True)}
+        )
+
+    at = construction.AtConstruction(obs.workload, [key for _, key in built], trigger, make)
+    fix = CheckpointFix(kept, at)
+    fix.seen = obs.places_of(*kept.values())
+    return fix
+
+
 def _device_memory(obs: Observation) -> tuple[int | None, str]:
     if obs.device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory, "of the GPU's memory"
@@ -144,8 +188,9 @@ class ActivationCheckpointingCheck(Check):
                 evidence += f" ({share:.0%} {device_label})"
         details = None
         first = obs.module_path(found[0][0])
-        fix = CheckpointFix({obs.module_path(block): block for block in blocks})
-        fix.seen = obs.places_of(*blocks)
+        fix = _checkpoint_fix(obs, blocks)
+        if fix is None:
+            details = f"not applied live: the blocks are {construction.UNREACHED}"
         elsewhere = [
             f"in the forward that loops over {first}: "
             "x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)"
@@ -162,7 +207,7 @@ class ActivationCheckpointingCheck(Check):
                 elsewhere, earlier = change.elsewhere, change.earlier
             # train() would switch the model's layers to checkpointing for good (nothing in
             # the Trainer switches them back), so the live fix wraps the blocks itself
-            details = (
+            details = details or (
                 f"live fix: the blocks checkpointed directly ({setting}=True would switch "
                 "the model's layers for good, beyond an exact undo)"
             )
@@ -172,7 +217,7 @@ class ActivationCheckpointingCheck(Check):
                     evidence=evidence,
                     details=details,  # no segment: a memory fix, paid for in time
                     where=", ".join(obs.module_path(c) for c, _ in found),
-                    fixable=True,
+                    fixable=fix is not None,
                     caveat=(
                         "a memory fix: each block's forward runs again during backward, so "
                         "the cell usually gets slower; compare the peak memory before/after"

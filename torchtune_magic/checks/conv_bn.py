@@ -8,6 +8,7 @@ edges: the conv's output object was the BatchNorm's input, on every call of the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +16,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..cell import history
+from ..cell import codeedit, history
 from ..kernel import discovery
 from ..kernel.fixes import Fix, Patcher
+from ..probe import construction
 from ..report import FORWARD, CodeChange, count
 from . import bounds
 from .base import Check, Detection
@@ -78,16 +80,28 @@ class DropConvBiasFix(Fix):
     """
 
     check_id = "conv-bias-bn"
-    tolerance = 1e-4  # float rounding moves when the add goes away: close, not bit-exact
+    # float rounding moves when the add goes away: close, not bit-exact. BatchNorm's sums
+    # over N·H·W values round differently once the per-channel offset is gone, and a
+    # parameter still near zero reads that large: BatchNorm biases after two SGD steps on
+    # 32×16×64×64 maps differed by 1e-4 to 4e-4 of their largest value
+    tolerance = 1e-3
 
-    def __init__(self, pairs: list[_Pair]):
+    def __init__(self, pairs: list[_Pair], built: construction.AtConstruction | None = None):
         super().__init__()
         self.pairs = pairs
+        # the pairs the checked code builds: the same fix given to each run's new modules
+        self.built = built
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        if self.built is None:
+            return contextlib.nullcontext()
+        return self.built.watched(namespace)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         for pair in self.pairs:
             bias = pair.conv.bias
-            assert bias is not None
+            if bias is None:  # a run that built this conv without one: nothing to drop
+                continue
             for norm in pair.norms:
                 self._fold(patcher, norm, bias)
             self._remove(patcher, pair.conv, bias)
@@ -176,17 +190,6 @@ def _constructor(conv: nn.Module) -> str:
     return f"nn.{type(conv).__name__}({conv.extra_repr()}, bias=False)"
 
 
-def _built_in_cell(obs: Observation, module: nn.Module) -> bool:
-    """True when no model that existed before the cell contains `module` (the cell builds
-    its model, so every run makes new modules a live fix cannot reach)."""
-    return not any(
-        key in obs.preexisting
-        and isinstance(entry.obj, nn.Module)
-        and any(sub is module for sub in entry.obj.modules())
-        for key, entry in obs.found.items()
-    )
-
-
 def _earlier_edits(obs: Observation, pairs: list[_Pair]) -> list[tuple[str, history.CallEdit]]:
     """`bias=False` on the constructor call of each paired conv, in the earlier cell that
     built it: (module path, edit). A call that also built a conv outside the pairs (one
@@ -218,6 +221,89 @@ def _earlier_edits(obs: Observation, pairs: list[_Pair]) -> list[tuple[str, hist
     return [(path, edit) for path, edit in wanted if _site(edit) not in shared]
 
 
+def _names(obs: Observation, pairs: list[_Pair]) -> list[str]:
+    return [obs.module_path(pair.conv) for pair in pairs]
+
+
+def _at_construction(
+    obs: Observation, pairs: list[_Pair]
+) -> tuple[construction.AtConstruction | None, list[str]]:
+    """The fix for pairs the checked code builds, given to each run's new convs and
+    BatchNorms by where and in which order they are built (`probe/construction`); or the
+    paths of the modules no construction key identifies (built outside the checked code)."""
+    if not pairs:
+        return None, []
+    keys = obs.constructed
+    objects = [module for pair in pairs for module in (pair.conv, *pair.norms)]
+    unkeyed = [obs.module_path(module) for module in objects if id(module) not in keys]
+    if unkeyed:
+        return None, unkeyed
+    layout = [(len(pair.norms), pair.calls) for pair in pairs]
+
+    def make(built: list[Any]) -> DropConvBiasFix:
+        modules = iter(built)
+        made = []
+        for norms, calls in layout:
+            conv = next(modules)
+            made.append(_Pair(conv, [next(modules) for _ in range(norms)], calls))
+        return DropConvBiasFix(made)
+
+    trigger = obs.first_called(objects)
+    return (
+        construction.AtConstruction(
+            obs.workload, [keys[id(module)] for module in objects], keys[id(trigger)], make
+        ),
+        [],
+    )
+
+
+def _constructor_edits(
+    obs: Observation, pairs: list[_Pair]
+) -> tuple[str | None, set[str], list[str]]:
+    """The checked code with `bias=False` on the constructor call that built each paired
+    conv it builds; the module paths that edit covers; and the paths of convs built by
+    library code the cell calls (no conv constructor at their site in the checked code).
+    A call that also built convs outside the pairs (a loop whose other convs feed no
+    BatchNorm) is left alone: the advice names those convs instead."""
+    keys = obs.constructed
+    paired = {keys[id(pair.conv)] for pair in pairs if id(pair.conv) in keys}
+    sites: dict[tuple[int, int | None], set[str]] = {}
+    covered: set[str] = set()
+    outside: list[str] = []
+    for pair in pairs:
+        key = keys.get(id(pair.conv))
+        if key is None:
+            continue
+        path, names = obs.module_path(pair.conv), {type(pair.conv).__name__}
+        if codeedit.call_at(obs.tree, key.line, names, key.col) is None:
+            outside.append(path)
+            continue
+        same_call = [
+            k for k in keys.values() if (k.kind, k.line, k.col) == (key.kind, key.line, key.col)
+        ]
+        if all(k in paired for k in same_call):
+            sites.setdefault((key.line, key.col), set()).update(names)
+            covered.add(path)
+    if not sites:
+        return None, set(), outside
+    source = obs.workload.source
+    for (line, col), names in sorted(
+        sites.items(), key=lambda item: (item[0][0], item[0][1] or 0), reverse=True
+    ):
+
+        def bias_off(
+            text: str, line: int = line, col: int | None = col, names: set[str] = names
+        ) -> str:
+            return codeedit.with_keywords(
+                text, line, names, {"bias": "False"}, {"bias": BIAS_POSITION}, col
+            )
+
+        source, notes = codeedit.edited(source, bias_off)
+        if notes:
+            return None, set(), outside
+    return source, covered, outside
+
+
 def _site(edit: history.CallEdit | None) -> tuple[int, int, int] | None:
     return (edit.execution_count, edit.line, edit.col) if edit is not None else None
 
@@ -246,19 +332,31 @@ class ConvBiasBNCheck(Check):
             f"{'was' if params == 1 else 'were'} added and then subtracted again by the "
             "BatchNorm's mean"
         )
-        in_cell = [
-            path for path, pair in zip(paths, pairs, strict=True) if _built_in_cell(obs, pair.conv)
-        ]
+        built = [pair for pair in pairs if obs.built_by_cell(pair.conv)]
+        kept = [pair for pair in pairs if not obs.built_by_cell(pair.conv)]
+        at_construction, unkeyed = _at_construction(obs, built)
         fix = None
-        if in_cell:
+        if unkeyed:
             details += (
-                f"; not applied live: the cell builds {', '.join(in_cell)} itself, so every "
-                "run makes new modules: change the constructors"
+                f"; not applied live: {', '.join(unkeyed)} "
+                f"{'is' if len(unkeyed) == 1 else 'are'} {construction.UNREACHED}"
             )
         else:
-            fix = DropConvBiasFix(pairs).bounded_by(saved_share(obs, pairs))
-            fix.seen = obs.places_of(*(pair.conv for pair in pairs))
-        earlier = _earlier_edits(obs, pairs)
+            fix = DropConvBiasFix(kept, at_construction).bounded_by(saved_share(obs, pairs))
+            fix.seen = obs.places_of(*(pair.conv for pair in kept))
+        if built and not unkeyed:
+            details += (
+                f"; the checked code builds {', '.join(_names(obs, built))} on every run: the "
+                "live fix drops their bias as each run builds them"
+            )
+        fixed_source, in_code, outside = _constructor_edits(obs, built)
+        if outside:
+            details += (
+                f"; {', '.join(outside)} "
+                f"{'is' if len(outside) == 1 else 'are'} built by library code the cell "
+                "calls, whose constructor is not in the checked code"
+            )
+        earlier = _earlier_edits(obs, kept)  # the convs the cell builds: edited in it
         edited = {path for path, _ in earlier}
         return [
             Detection(
@@ -274,18 +372,27 @@ class ConvBiasBNCheck(Check):
                         "state_dict() still shows the bias and the unfolded running_mean, "
                         "but load_state_dict() of a checkpoint with the bias fails until "
                         "it is undone"
+                        + (
+                            "; built with bias=False, the convs draw no random numbers "
+                            "for a bias, so the layers built after them start from other "
+                            "random weights than this run's"
+                            if fixed_source is not None
+                            else ""
+                        )
                     ),
                     code_change=CodeChange(
-                        "",
+                        codeedit.unified_diff(obs.workload.source, fixed_source)
+                        if fixed_source is not None
+                        else "",
                         [
                             f"{path}: {_constructor(pair.conv)}"
                             for path, pair in zip(paths, pairs, strict=True)
-                            if path not in edited
+                            if path not in edited and path not in in_code
                         ],
                     ),
                 ),
                 fix,
-                None,
+                fixed_source,
                 list(dict.fromkeys(edit for _, edit in earlier)),
             )
         ]

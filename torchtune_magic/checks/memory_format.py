@@ -19,6 +19,7 @@ import torch
 from ..cell.workload import synchronize
 from ..distributed import lockstep
 from ..kernel.fixes import Fix, Patcher
+from ..probe import construction
 from ..report import FORWARD, SLOWER_HERE, Checked, CodeChange, count
 from .base import Check, Detection
 
@@ -64,11 +65,21 @@ class ChannelsLastFix(Fix):
     check_id = "channels-last"
     tolerance = 1e-5  # NHWC kernels sum in another order: last-bit differences are "close"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(
+        self, model: torch.nn.Module | None, built: construction.AtConstruction | None = None
+    ):
         super().__init__()
-        self.model = model
+        self.model = model  # None: the checked code builds it (`built` reaches each run's)
+        self.built = built
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        if self.built is None:
+            return contextlib.nullcontext()
+        return self.built.watched(namespace)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        if self.model is None:
+            return
         tensors = [*self.model.parameters(), *self.model.buffers()]
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         for tensor in tensors:
@@ -87,14 +98,27 @@ class ChannelsLastFix(Fix):
 
             patcher.call(convert, restore)
         handle: list[Any] = []
+        model = self.model
         patcher.call(
-            lambda: handle.append(self.model.register_forward_pre_hook(_channels_last_inputs)),
+            lambda: handle.append(model.register_forward_pre_hook(_channels_last_inputs)),
             lambda: handle.pop().remove(),
         )
 
 
-def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLastFix:
-    """The fix, refusing later if the model was replaced since the probe."""
+def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLastFix | None:
+    """The fix, refusing later if the model was replaced since the probe; for a model the
+    checked code builds, given to the model each run builds, at its first call (None where
+    no construction in the checked code shows how each run makes it)."""
+    key = obs.constructed.get(id(model))
+    if key is None and obs.built_by_cell(model):
+        return None
+    if key is not None:
+        return ChannelsLastFix(
+            None,
+            construction.AtConstruction(
+                obs.workload, [key], key, lambda built: ChannelsLastFix(built[0])
+            ),
+        )
     fix = ChannelsLastFix(model)
     fix.seen = obs.places_of(model)
     return fix
@@ -307,6 +331,9 @@ class ChannelsLastCheck(Check):
         ]
         if timings:
             details.append(_timing_text(timings))
+        fix = _channels_last_fix(obs, model)
+        if fix is None:
+            details.append(f"not applied live: {name} is {construction.UNREACHED}")
         caveat = (
             "measure, never assume: channels_last regresses some models (most of the gain is "
             "on GPU with AMP)"
@@ -320,7 +347,7 @@ class ChannelsLastCheck(Check):
                 evidence=f"{name}'s convolutions {share.lead}, on NCHW-contiguous input",
                 details="; ".join(details),
                 where=name,
-                fixable=True,
+                fixable=fix is not None,
                 caveat=caveat,
                 segment=FORWARD,
                 code_change=CodeChange(
@@ -332,7 +359,7 @@ class ChannelsLastCheck(Check):
                     ],
                 ),
             ),
-            _channels_last_fix(obs, model).bounded_by(share.share),
+            fix.bounded_by(share.share) if fix is not None else None,
         )
 
 

@@ -621,9 +621,17 @@ class Runs:
         (`Runner.run` records it on this run), for numerics."""
         if self.start_state is not None:
             names, modules = watched
+            namespace = self.workload.namespace
+            # a model the cell builds is a new one each run: read the one its name holds now
+            modules = {
+                label: value
+                if isinstance(value := namespace.get(label), torch.nn.Module)
+                else module
+                for label, module in modules.items()
+            }
             produced = outputs[label] = numerics.Produced(None, loss_curve)
             with self.hooks.contained("numerics"):
-                produced.outputs = numerics.capture(self.workload.namespace, names, modules)
+                produced.outputs = numerics.capture(namespace, names, modules)
 
     def _watched_outputs(self) -> tuple[set[str], dict[str, torch.nn.Module]]:
         """Names the cell (re)bound and the models it ran: what numerics compares."""

@@ -19,7 +19,7 @@ from ..cell import loops
 from ..cell.workload import Workload
 from ..distributed import lockstep
 from ..kernel import discovery
-from . import graphs, memory
+from . import construction, graphs, memory
 from .memory import OpEvent
 
 # in order of preference as the step; an "iteration" is one of the cell's own loops
@@ -217,6 +217,9 @@ class Observation:
     found: dict[int, discovery.Found] = field(default_factory=dict)
     preexisting: set[int] = field(default_factory=set)  # ids in `found` before the cell ran
     names_before: frozenset[str] = frozenset()  # namespace names bound before the cell ran
+    # modules the checked code built in the run, by id: where and in which order
+    # (`probe/construction`), so a fix can reach the same ones in every measuring run
+    constructed: dict[int, construction.Key] = field(default_factory=dict)
     device: str = "cpu"
     # minor page faults of this process during the probe run (None where the OS does not
     # report them): the allocator handing memory back to the OS and faulting it in again
@@ -321,6 +324,32 @@ class Observation:
             if held:
                 places.extend((loc, entry.obj) for loc in self.lasting_locations(entry.obj))
         return places
+
+    def built_by_cell(self, module: torch.nn.Module) -> bool:
+        """True when no model that existed before the cell contains `module`: the checked
+        code made it, so every run makes a new one, which only a fix at construction
+        reaches (`construction.AtConstruction`)."""
+        return not any(
+            key in self.preexisting
+            and isinstance(entry.obj, torch.nn.Module)
+            and any(sub is module for sub in entry.obj.modules())
+            for key, entry in self.found.items()
+        )
+
+    def first_called(self, objects: list[Any]) -> Any:
+        """Of the modules the cell called from outside any other module, the outermost one
+        it built that holds all `objects` (its first call comes before any of theirs: a fix
+        at construction applies there); else the first object itself."""
+        holders = [
+            use.module
+            for use in self.modules.values()
+            if use.outer_calls
+            and id(use.module) in self.constructed
+            and all(any(sub is obj for sub in use.module.modules()) for obj in objects)
+        ]
+        if holders:
+            return max(holders, key=lambda module: sum(1 for _ in module.modules()))
+        return objects[0]
 
     def module_path(self, module: torch.nn.Module) -> str:
         """`model.layer1.0.conv1` for a submodule, the namespace path for a top-level one."""

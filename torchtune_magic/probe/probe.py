@@ -23,7 +23,7 @@ from ..cell import loops
 from ..cell.workload import CellError, Workload, synchronize
 from ..kernel import allocator, discovery
 from ..kernel.fixes import Patcher
-from . import load, memory
+from . import construction, load, memory
 from .observation import CallSite, Observation
 from .recorder import SPAN_MARK, Recorder
 from .steps import StepLimitReached
@@ -89,7 +89,12 @@ def _instrumented(recorder: Recorder, namespace: dict[str, Any]) -> Iterator[Non
         )
         _patch_gradcheck(patcher, recorder, namespace)
         _patch_profiler_entries(patcher, recorder)
-        with _function_spans(recorder), loops.listening(recorder.loop_iteration):
+        with (
+            _function_spans(recorder),
+            loops.listening(recorder.loop_iteration),
+            construction.recording(recorder.obs.workload) as built,
+        ):
+            recorder.obs.constructed = built.keys  # filled in as the cell builds
             yield
     finally:
         for handle in handles + recorder.grad_hooks:

@@ -1,0 +1,240 @@
+"""Objects the checked code builds, recognised by where and in which order it builds them.
+
+A cell (or a whole script run as one) that builds its own model makes new modules on every
+run, so a live fix cannot be handed the probe's objects: the measuring runs never use them.
+What stays the same from run to run is *how* each object comes about: its class, the call
+in the checked code that built it (the innermost frame whose code is the cell's, so a conv
+built in `Net.__init__` defined in the cell is keyed by that line, one built inside a
+library model by the cell line calling the library) and its place among the objects of
+that class built there in this run (a loop building four convs at one line gives ordinals
+0 to 3). The probe records each object's `Key` (`recording`); a measuring run with a fix
+watches the same keys (`AtConstruction.watched`) and hands that run's objects to the fix
+before they are first used, undoing it when the run's context exits.
+
+Only modules are recognised (`torch.nn.Module.__init__` is wrapped while a recording or a
+watch is active): the fixes that need it act on a model's modules. Nothing is installed in
+runs without such a fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..kernel.fixes import Fix, Patcher
+
+if TYPE_CHECKING:
+    from ..cell.workload import Workload
+
+
+@dataclass(frozen=True)
+class Key:
+    """Which object of a run: its class, the call in the checked code that built it (line
+    and column as the cell is numbered, the column None where Python does not say) and its
+    ordinal among the objects of that class built there in the run."""
+
+    kind: str  # `module.QualName` of the class (a class the cell defines is new each run)
+    line: int
+    col: int | None
+    ordinal: int
+
+
+def _kind_of(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Constructions:
+    """The modules the checked code of `workload` built in one run, by `Key` (held weakly:
+    a module the run drops is not kept alive by this record)."""
+
+    def __init__(self, workload: Workload):
+        self.workload = workload
+        self._filenames = (workload.filename, workload.fixed_filename)
+        self._counts: Counter[tuple[str, int, int | None]] = Counter()
+        self._objects: weakref.WeakValueDictionary[Key, Any] = weakref.WeakValueDictionary()
+        # id of each object built -> its key (a later object with a reused id replaces it)
+        self.keys: dict[int, Key] = {}
+        self._line_maps: dict[CodeType, dict[int, int]] = {}
+
+    def get(self, key: Key) -> Any | None:
+        """This run's object at `key`, if it was built (and is still alive)."""
+        return self._objects.get(key)
+
+    def built(self, obj: Any, frame: FrameType | None) -> Key | None:
+        """Record `obj`, constructed with `frame` the innermost Python frame of its caller;
+        None (not recorded) where no frame on the stack is the checked code's."""
+        site = self._site(frame)
+        if site is None:
+            self.keys.pop(id(obj), None)  # an object of the cell's that had this id is gone
+            return None
+        kind = _kind_of(obj)
+        line, col = site
+        ordinal = self._counts[(kind, line, col)]
+        self._counts[(kind, line, col)] += 1
+        key = Key(kind, line, col, ordinal)
+        self.keys[id(obj)] = key
+        with contextlib.suppress(TypeError):  # an object without weak references
+            self._objects[key] = obj
+        return key
+
+    def _site(self, frame: FrameType | None) -> tuple[int, int | None] | None:
+        """(line, column) of the call in the innermost frame of the checked code, as the
+        cell is numbered (a run of the fixed cell maps its lines back)."""
+        inner = None
+        outermost = None
+        while frame is not None:
+            if frame.f_code.co_filename in self._filenames:
+                inner = inner or frame
+                outermost = frame
+            frame = frame.f_back
+        if inner is None or outermost is None:
+            return None
+        line, col = _position(inner)
+        if inner.f_code.co_filename == self.workload.fixed_filename:
+            mapped = self._line_map(outermost.f_code).get(line)
+            if mapped is None:  # a line the fix's own edit added: no object of the cell's
+                return None
+            line = mapped
+        return line, col
+
+    def _line_map(self, code: CodeType) -> dict[int, int]:
+        """Lines of the fixed text that `code` was compiled from -> the cell's lines (a
+        fix's edit may add lines: `difflib` pairs up the unchanged ones and edited lines
+        within a block of equal length)."""
+        known = self._line_maps.get(code)
+        if known is not None:
+            return known
+        fixed = self.workload.source_compiled_as(code)
+        mapping: dict[int, int] = {}
+        if fixed is not None:
+            old = self.workload.source.splitlines()
+            new = fixed.splitlines()
+            matcher = difflib.SequenceMatcher(a=old, b=new, autojunk=False)
+            for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+                if tag == "equal" or (tag == "replace" and a1 - a0 == b1 - b0):
+                    mapping.update({b0 + i + 1: a0 + i + 1 for i in range(b1 - b0)})
+        self._line_maps[code] = mapping
+        return mapping
+
+
+def _position(frame: FrameType) -> tuple[int, int | None]:
+    """The line and column of the call the frame is making (the column where the code
+    object records positions, Python 3.11 on)."""
+    positions = getattr(frame.f_code, "co_positions", None)
+    if positions is not None:
+        try:
+            line, _, col, _ = list(positions())[frame.f_lasti // 2]
+        except (IndexError, ValueError):
+            line, col = None, None
+        if line is not None:
+            return line, col
+    return frame.f_lineno, None
+
+
+@contextlib.contextmanager
+def recording(
+    workload: Workload, on_built: Callable[[Any, Key], None] | None = None
+) -> Iterator[Constructions]:
+    """Record every module the checked code of `workload` builds while the block runs (and
+    call `on_built(module, key)` once the module's own `Module.__init__` has run: its hooks
+    can be registered, its parameters are not made yet). Undone exactly when it ends."""
+    constructions = Constructions(workload)
+    original = torch.nn.Module.__init__
+
+    def recorded_init(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(module, *args, **kwargs)
+        key = constructions.built(module, sys._getframe(1))
+        if key is not None and on_built is not None:
+            on_built(module, key)
+
+    patcher = Patcher()
+    try:
+        patcher.setattr(torch.nn.Module, "__init__", recorded_init)
+        yield constructions
+    finally:
+        patcher.undo()
+
+
+class AtConstruction:
+    """A live fix for objects the checked code builds: the keys of the objects it needs
+    (as the probe recorded them), the key of the module whose first call applies it (one
+    that runs before any of them is used: the model holding them) and how to make the
+    fix for a run's objects (given in the order of `keys`)."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        keys: Sequence[Key],
+        trigger: Key,
+        make: Callable[[list[Any]], Fix],
+    ):
+        self.workload, self.keys, self.trigger, self.make = workload, list(keys), trigger, make
+        self.applied_runs = 0  # runs in which the fix reached its objects
+
+    @contextlib.contextmanager
+    def watched(self, namespace: dict[str, Any]) -> Iterator[None]:
+        """One run: at the trigger module's construction a forward pre-hook is registered;
+        its first call makes the fix for this run's objects and applies it (the hook goes
+        as it fires). Everything is undone, in reverse, when the block ends."""
+        patcher = Patcher()
+
+        def on_built(module: torch.nn.Module, key: Key) -> None:
+            if key != self.trigger:
+                return
+            handles: list[Any] = []
+
+            def first_call(called: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+                handles.pop().remove()
+                return self._apply(patcher, namespace, called, args, constructions)
+
+            handles.append(module.register_forward_pre_hook(first_call))
+            patcher.call(lambda: None, lambda: [handle.remove() for handle in handles])
+
+        try:
+            with recording(self.workload, on_built) as constructions:
+                yield
+        finally:
+            patcher.undo()
+
+    def _apply(
+        self,
+        patcher: Patcher,
+        namespace: dict[str, Any],
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        constructions: Constructions,
+    ) -> tuple[Any, ...] | None:
+        """Apply the fix to this run's objects, then give this first call what the
+        forward pre-hooks the fix added to `module` make of its inputs (hooks added while
+        the module's hooks run are first called on its next call)."""
+        objects = [constructions.get(key) for key in self.keys]
+        if any(obj is None for obj in objects):
+            return None  # this run built other objects than the probe's: left as it is
+        before = set(module._forward_pre_hooks)
+        self.make(objects).patch(patcher, namespace)
+        self.applied_runs += 1
+        changed = False
+        for hook_id, hook in list(module._forward_pre_hooks.items()):
+            if hook_id in before or hook_id in module._forward_pre_hooks_with_kwargs:
+                continue
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+                changed = True
+        return args if changed else None
+
+
+UNREACHED = (
+    "made anew on every run without a constructor call in the checked code to follow "
+    "(copied, unpickled or built in another thread): change the constructors"
+)
