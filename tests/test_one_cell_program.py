@@ -111,3 +111,25 @@ def test_nothing_of_the_fixes_is_left_behind(checked):
         assert not module._forward_pre_hooks and not module._state_dict_hooks, module
     for cls, init in ORIGINAL_INITS.items():
         assert cls.__init__ is init, cls
+
+
+def test_apply_leaves_the_fix_on_the_model_the_complete_run_built_until_reverted():
+    """`--apply conv-bias-bn`: the model the cell's complete run builds keeps the fix (the
+    report says applied, so the kernel's model has it); Revert all puts its bias back."""
+    from torchtune_magic.cell.workload import Workload
+    from torchtune_magic.options import Options
+    from torchtune_magic.session import Session
+
+    namespace = {"__name__": "__main__"}
+    options = Options.build(budget=3.0, checks="conv-bias-bn", apply="conv-bias-bn")
+    session = Session(Workload(CELL, namespace), options)
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = session.run()
+    assert report.applied == ["conv-bias-bn"], report.applied
+    model = namespace["model"]
+    assert model[0].bias is None and model[3].bias is None
+    assert "0.bias" in model.state_dict()  # presented as built while the fix is on
+    session.revert_all()
+    assert isinstance(model[0].bias, nn.Parameter) and not model[0]._state_dict_hooks
+    for cls, init in ORIGINAL_INITS.items():
+        assert cls.__init__ is init, cls

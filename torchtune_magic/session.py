@@ -280,6 +280,13 @@ class Session(Reporting):
             self._finished(CellRun("skipped", fixes=ids, detail="--no-finish: kernel as before"))
             return
         if self._kernel == AFTER_ONE_RUN:
+            for fix in self.applied_fixes.fixes():  # the probe's objects are the kernel's
+                self.failures.call(
+                    f"applying {fix.check_id} to what the cell built",
+                    fix.keep_for_kernel,
+                    self.workload.namespace,
+                    default=None,
+                )
             steps_done = self.step_count.total if self.step_count else None
             self._finished(CellRun("probe", steps=steps_done, fixes=ids))
             return
@@ -294,7 +301,7 @@ class Session(Reporting):
         try:
             with (
                 counter.counting() if counter else nullcontext(),
-                fixes.combined_context(applied, self.workload.namespace),
+                fixes.combined_context(applied, self.workload.namespace, final=True),
             ):
                 self._kernel = PART_RUN
                 seconds = self.workload.run(

@@ -9,7 +9,6 @@ constraint: the user asked (`--memory`) or the peak is a large share of the devi
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..cell.history import CallEdit
-from ..kernel.fixes import Fix, Patcher
+from ..kernel.fixes import Patcher
 from ..kernel.state import available_memory_bytes
 from ..probe import construction, frameworks
 from ..report import CodeChange
@@ -42,7 +41,7 @@ def _checkpointed(forward: Any) -> Any:
     return checkpointed_forward
 
 
-class CheckpointFix(Fix):
+class CheckpointFix(construction.BuiltObjectsFix):
     """Each block's instance `forward` becomes a checkpointed call of its own forward; undo
     deletes the instance attribute (or puts back one the user had set), unless the user
     has set a `forward` of their own on the block meanwhile."""
@@ -60,11 +59,6 @@ class CheckpointFix(Fix):
         self.blocks = blocks  # by module path, e.g. "model.blocks.0"
         # blocks the checked code builds: the same change given to each run's new blocks
         self.built = built
-
-    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-        if self.built is None:
-            return contextlib.nullcontext()
-        return self.built.watched(namespace)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         for path, block in self.blocks.items():
@@ -140,7 +134,9 @@ def _checkpoint_fix(obs: Observation, blocks: list[torch.nn.Module]) -> Checkpoi
             {path: block for (path, _), block in zip(built, run_blocks, strict=True)}
         )
 
-    at = construction.AtConstruction(obs.workload, [key for _, key in built], trigger, make)
+    at = construction.AtConstruction(
+        obs.workload, [key for _, key in built], trigger, make, built_blocks
+    )
     fix = CheckpointFix(kept, at)
     fix.seen = obs.places_of(*kept.values())
     return fix

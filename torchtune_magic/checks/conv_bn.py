@@ -8,7 +8,6 @@ edges: the conv's output object was the BatchNorm's input, on every call of the 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..cell import codeedit, history
 from ..kernel import discovery
-from ..kernel.fixes import Fix, Patcher
+from ..kernel.fixes import Patcher
 from ..probe import construction
 from ..report import FORWARD, CodeChange, count
 from . import bounds
@@ -68,7 +67,7 @@ def conv_bn_pairs(obs: Observation) -> list[_Pair]:
     return pairs
 
 
-class DropConvBiasFix(Fix):
+class DropConvBiasFix(construction.BuiltObjectsFix):
     """Remove each conv's bias (kept, to put back) and fold it into the BatchNorms'
     running_mean, which keeps eval-mode outputs equal: (y + b - m) == (y - (m - b)).
 
@@ -91,11 +90,6 @@ class DropConvBiasFix(Fix):
         self.pairs = pairs
         # the pairs the checked code builds: the same fix given to each run's new modules
         self.built = built
-
-    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-        if self.built is None:
-            return contextlib.nullcontext()
-        return self.built.watched(namespace)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         for pair in self.pairs:
@@ -251,7 +245,11 @@ def _at_construction(
     trigger = obs.first_called(objects)
     return (
         construction.AtConstruction(
-            obs.workload, [keys[id(module)] for module in objects], keys[id(trigger)], make
+            obs.workload,
+            [keys[id(module)] for module in objects],
+            keys[id(trigger)],
+            make,
+            objects,
         ),
         [],
     )

@@ -18,7 +18,7 @@ import torch
 
 from ..cell.workload import synchronize
 from ..distributed import lockstep
-from ..kernel.fixes import Fix, Patcher
+from ..kernel.fixes import Patcher
 from ..probe import construction
 from ..report import FORWARD, SLOWER_HERE, Checked, CodeChange, count
 from .base import Check, Detection
@@ -57,7 +57,7 @@ def _channels_last_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> tup
     return _to_channels_last(args)
 
 
-class ChannelsLastFix(Fix):
+class ChannelsLastFix(construction.BuiltObjectsFix):
     """4-D parameters, grads and buffers become channels_last in place (same tensor objects,
     new storage); a pre-hook converts 4-D inputs. Undo copies the current values back into
     the original storage and puts it back, so strides, storage and values are as before."""
@@ -71,11 +71,6 @@ class ChannelsLastFix(Fix):
         super().__init__()
         self.model = model  # None: the checked code builds it (`built` reaches each run's)
         self.built = built
-
-    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-        if self.built is None:
-            return contextlib.nullcontext()
-        return self.built.watched(namespace)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         if self.model is None:
@@ -116,7 +111,7 @@ def _channels_last_fix(obs: Observation, model: torch.nn.Module) -> ChannelsLast
         return ChannelsLastFix(
             None,
             construction.AtConstruction(
-                obs.workload, [key], key, lambda built: ChannelsLastFix(built[0])
+                obs.workload, [key], key, lambda built: ChannelsLastFix(built[0]), [model]
             ),
         )
     fix = ChannelsLastFix(model)

@@ -241,6 +241,9 @@ class Fix:
 
     def __init__(self) -> None:
         self._patcher: Patcher | None = None
+        # What the fix did to the objects the cell's complete run built (`final_run_context`):
+        # kept while the fix stays applied, undone with it
+        self.kept: list[Patcher] = []
         # Where the probe saw the objects this fix changes (the model holding a conv, the
         # optimizer's names): applying refuses when one of these places holds another object.
         self.seen: list[tuple[Location, Any]] = []
@@ -262,6 +265,18 @@ class Fix:
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
         """Entered around each run of the cell while the fix is applied (default: nothing)."""
         return contextlib.nullcontext()
+
+    def final_run_context(
+        self, namespace: dict[str, Any]
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the cell's one complete run while the fix is applied (`--apply`):
+        what it does to objects that run builds may stay, in `kept` (default: as any run)."""
+        return self.run_context(namespace)
+
+    def keep_for_kernel(self, namespace: dict[str, Any]) -> None:
+        """The probe's run was the cell's one complete run and the fix stays applied: make
+        its change on the objects that run built, kept in `kept` (default: nothing; a fix
+        acting on objects from before the cell made it when applied)."""
 
     def edit_source(self, source: str) -> str:
         return source
@@ -290,8 +305,12 @@ class Fix:
         patcher, self._patcher = self._patcher, None
         if patcher is None:
             return []
-        patcher.undo()
-        return [f"{self.check_id}: {note}" for note in patcher.notes]
+        kept, self.kept = self.kept, []
+        notes = []
+        for undone in [*reversed(kept), patcher]:
+            undone.undo()
+            notes += undone.notes
+        return [f"{self.check_id}: {note}" for note in notes]
 
 
 @contextlib.contextmanager
@@ -316,14 +335,16 @@ def applied(fixes: list[Fix], namespace: dict[str, Any]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def combined_context(
-    fixes: list[Fix], namespace: dict[str, Any], in_cell: bool | None = None
+    fixes: list[Fix], namespace: dict[str, Any], in_cell: bool | None = None, final: bool = False
 ) -> Iterator[None]:
-    """Every fix's run context (with `in_cell`, only those whose `context_in_cell` is that),
-    entered in a fixed order so composition is deterministic."""
+    """Every fix's run context (with `in_cell`, only those whose `context_in_cell` is that;
+    with `final`, the contexts of the cell's complete run), entered in a fixed order so
+    composition is deterministic."""
     with contextlib.ExitStack() as stack:
         for fix in sorted(fixes, key=lambda f: f.check_id):
             if in_cell is None or fix.context_in_cell == in_cell:
-                stack.enter_context(fix.run_context(namespace))
+                context = fix.final_run_context if final else fix.run_context
+                stack.enter_context(context(namespace))
         yield
 
 

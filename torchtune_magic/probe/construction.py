@@ -169,7 +169,9 @@ class AtConstruction:
     """A live fix for objects the checked code builds: the keys of the objects it needs
     (as the probe recorded them), the key of the module whose first call applies it (one
     that runs before any of them is used: the model holding them) and how to make the
-    fix for a run's objects (given in the order of `keys`)."""
+    fix for a run's objects (given in the order of `keys`). `seen` are the probe's own
+    objects at those keys, held weakly: where the probe was the cell's one complete run,
+    they are the kernel's, and `--apply` fixes them (`keep_on_seen`)."""
 
     def __init__(
         self,
@@ -177,15 +179,34 @@ class AtConstruction:
         keys: Sequence[Key],
         trigger: Key,
         make: Callable[[list[Any]], Fix],
+        seen: Sequence[Any],
     ):
         self.workload, self.keys, self.trigger, self.make = workload, list(keys), trigger, make
         self.applied_runs = 0  # runs in which the fix reached its objects
+        self._seen = [weakref.ref(obj) for obj in seen]
+
+    def keep_on_seen(self, namespace: dict[str, Any], kept: list[Patcher]) -> None:
+        """Fix the probe's objects, its undo appended to `kept` (nothing where one is gone)."""
+        objects = [ref() for ref in self._seen]
+        if not objects or any(obj is None for obj in objects):
+            return
+        patcher = Patcher()
+        try:
+            self.make(objects).patch(patcher, namespace)
+        except BaseException:
+            patcher.undo()
+            raise
+        kept.append(patcher)
 
     @contextlib.contextmanager
-    def watched(self, namespace: dict[str, Any]) -> Iterator[None]:
+    def watched(
+        self, namespace: dict[str, Any], kept: list[Patcher] | None = None
+    ) -> Iterator[None]:
         """One run: at the trigger module's construction a forward pre-hook is registered;
         its first call makes the fix for this run's objects and applies it (the hook goes
-        as it fires). Everything is undone, in reverse, when the block ends."""
+        as it fires). Everything is undone, in reverse, when the block ends; with `kept`
+        (the cell's complete run under `--apply`), what the fix did to the run's objects
+        stays, its undo appended there."""
         patcher = Patcher()
 
         def on_built(module: torch.nn.Module, key: Key) -> None:
@@ -204,7 +225,10 @@ class AtConstruction:
             with recording(self.workload, on_built) as constructions:
                 yield
         finally:
-            patcher.undo()
+            if kept is None:
+                patcher.undo()
+            else:
+                kept.append(patcher)
 
     def _apply(
         self,
@@ -232,6 +256,30 @@ class AtConstruction:
                 args = result if isinstance(result, tuple) else (result,)
                 changed = True
         return args if changed else None
+
+
+class BuiltObjectsFix(Fix):
+    """A fix whose change also reaches the objects the checked code builds (`built`, None
+    where it acts on objects from before the cell only): each run's new objects get it,
+    and under `--apply` the complete run's objects keep it until the fix is undone."""
+
+    built: AtConstruction | None = None
+
+    def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        if self.built is None:
+            return contextlib.nullcontext()
+        return self.built.watched(namespace)
+
+    def final_run_context(
+        self, namespace: dict[str, Any]
+    ) -> contextlib.AbstractContextManager[Any]:
+        if self.built is None:
+            return contextlib.nullcontext()
+        return self.built.watched(namespace, self.kept)
+
+    def keep_for_kernel(self, namespace: dict[str, Any]) -> None:
+        if self.built is not None:
+            self.built.keep_on_seen(namespace, self.kept)
 
 
 UNREACHED = (
