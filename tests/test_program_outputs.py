@@ -134,3 +134,12 @@ def test_a_progress_widget_compares_by_its_text_not_its_model_id() -> None:
     assert outputs.compare_outputs(
         [bar("a1", "100% 5/5 [00:01<00:00]")], [bar("b2", "100% 5/5 [00:02<00:00]")]
     ).same
+
+
+def test_a_warning_s_kernel_file_name_is_masked_its_message_is_not() -> None:
+    first = "/tmp/ipykernel_4121/3316471520.py:5: UserWarning: anomaly detection is on\n"
+    second = "/tmp/ipykernel_9876/3316471520.py:5: UserWarning: anomaly detection is on\n"
+    compared = outputs.compare_outputs([_stream("stderr", first)], [_stream("stderr", second)])
+    assert compared.same and compared.masked == [f"stderr: {first.strip()}"]
+    other = second.replace("is on", "is off")
+    assert not outputs.compare_outputs([_stream("stderr", first)], [_stream("stderr", other)]).same

@@ -2,9 +2,11 @@
 cell's outputs. Used by `check --verify` and `scan --verify`, which run an original and its
 optimized copy plainly and must tell a real difference from a clock reading.
 
-The only thing masked is wall-clock time: a figure with a time unit ("3.2 s", "12ms"), a rate
-("7.5it/s"), a clock reading ("00:01", a progress bar's "[00:01<00:02, ...]"), or the figure
-after a word such as "time" or "took". A line counts as masked only where the two runs differ
+Two things are masked, neither of them output a program computes. Wall-clock time: a
+figure with a time unit ("3.2 s", "12ms"), a rate ("7.5it/s"), a clock reading ("00:01", a
+progress bar's "[00:01<00:02, ...]"), or the figure after a word such as "time" or "took". And the file name a kernel gives a cell's code
+(`/tmp/ipykernel_<pid>/<hash>.py`, new with every kernel), which a warning's first line
+carries. A line counts as masked only where the two runs differ
 in those figures alone; any other difference is reported with its first differing line.
 Streams are compared as a terminal shows them (text before a carriage return is overwritten),
 so a progress bar that redrew a different number of times still reads the same. Images are
@@ -41,6 +43,8 @@ _TIME = re.compile(
 )
 _AFTER_TIME_WORD = re.compile(rf"({_TIME_WORD}[^\d\n<|,;]{{0,20}}?){_NUMBER}(?:\s*{_UNIT}\b)?")
 MASK = "<time>"
+_KERNEL_CELL_FILE = re.compile(r"[^\s\"']*ipykernel_\d+[/\\]-?\d+\.py")
+CELL_FILE = "<cell file>"
 
 # A notebook output's MIME types compared as text, and as decoded images
 TEXT_TYPES = ("text/plain", "text/html", "text/markdown", "text/latex", "application/json")
@@ -55,20 +59,21 @@ class TextComparison:
     """The outcome of comparing an original run's output with another run's."""
 
     same: bool
-    masked: list[str] = field(default_factory=list)  # the original's lines masked as times
+    # the original's lines that differed only where masked
+    masked: list[str] = field(default_factory=list)
     difference: str | None = None  # the first differing line, as the original has it
 
     def describe(self) -> str:
         if not self.same:
             return f"differs at: {self.difference}"
         if self.masked:
-            return f"identical ({len(self.masked)} wall-clock lines masked)"
+            return f"identical ({len(self.masked)} lines masked)"
         return "identical"
 
 
 def masked(line: str) -> str:
-    """`line` with its wall-clock figures replaced by a mark."""
-    line = _TIME.sub(MASK, line)
+    """`line` with its wall-clock figures and a kernel's cell file names replaced by marks."""
+    line = _KERNEL_CELL_FILE.sub(CELL_FILE, _TIME.sub(MASK, line))
     return _AFTER_TIME_WORD.sub(lambda match: match.group(1) + MASK, line)
 
 
