@@ -4,11 +4,11 @@ optimized copy plainly and must tell a real difference from a clock reading.
 
 Two things are masked, neither of them output a program computes. Wall-clock time: a
 figure with a time unit ("3.2 s", "12ms"), a rate ("7.5it/s"), a clock reading ("00:01", a
-progress bar's "[00:01<00:02, ...]"), or the figure after a word such as "time" or "took". And the file name a kernel gives a cell's code
-(`/tmp/ipykernel_<pid>/<hash>.py`, new with every kernel), which a warning's first line
-carries. A line counts as masked only where the two runs differ
-in those figures alone; any other difference is reported with its first differing line.
-Streams are compared as a terminal shows them (text before a carriage return is overwritten),
+progress bar's "[00:01<00:02, ...]"), or the figure after a word such as "time" or "took".
+And the file name a kernel gives a cell's code (`/tmp/ipykernel_<pid>/<hash>.py`, new with
+every kernel), which a warning's first line carries. A line counts as masked only where the
+two runs differ in those alone; any other difference is reported with its first differing
+line. Streams are compared as a terminal shows them (text before a carriage return is overwritten),
 so a progress bar that redrew a different number of times still reads the same. Images are
 compared by their decoded pixels, not their file bytes.
 """
