@@ -1,1 +1,1 @@
-"""Whole programs: scripts and unmarked notebooks, checked end to end (issue 33)."""
+"""Whole programs: scripts and unmarked notebooks checked end to end (`check`, `scan`)."""
