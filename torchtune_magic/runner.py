@@ -158,9 +158,7 @@ def run_notebook(
     if not path.is_file():
         raise RunError(f"notebook not found: {path}")
     notebook = nbformat.read(path, as_version=4)
-    client_class = (
-        NotebookClient if log is None else logging_client(NotebookClient, ReportLog(log))
-    )
+    client_class = NotebookClient if log is None else logging_client(NotebookClient, ReportLog(log))
     client = client_class(
         notebook,
         kernel_name=kernel_name,

@@ -69,9 +69,7 @@ def _passed_over(facts: CellFacts) -> str:
         return f"{work}, but {facts.seconds:.2f} s (under {MIN_SECONDS:g} s)"
     if work and facts.source.lstrip().startswith("%%"):
         return f"{work}, but it runs under a cell magic ({facts.source.split()[0]})"
-    seen = [
-        _plural(facts.counts[key], noun) for key, noun in COUNT_WORDS if facts.counts.get(key)
-    ]
+    seen = [_plural(facts.counts[key], noun) for key, noun in COUNT_WORDS if facts.counts.get(key)]
     return f"no torch work that repeats{f' ({seen[0]})' if seen else ''}"
 
 

@@ -12,6 +12,7 @@ timestamps (nbclient's `record_timing`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -21,7 +22,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..runner import inductor_cache
+from ..runner import ReportLog, inductor_cache, logging_client
+
+CHECKED_TIMEOUT = 3
 
 
 class ExecuteError(Exception):
@@ -92,22 +95,34 @@ def execute(
     setup: str = "",
     cells: int | None = None,
     on_cell: Callable[[int, float | None], None] | None = None,
+    report_log: Callable[[str], None] | None = None,
 ) -> Execution:
     """Execute a copy of `notebook` in `folder`: `setup` first (unrecorded), then its code
     cells in order, the first `cells` cells only when given. Stops after the first cell that
-    raises unless `allow_errors`; `on_cell(position, seconds)` after each code cell."""
+    raises unless `allow_errors`; `on_cell(position, seconds)` after each code cell;
+    `report_log` gets a line as each `%%perfcheck` report's findings and numbers come in.
+    A `%%perfcheck` cell may take CHECKED_TIMEOUT times `timeout` (it runs a probe, the
+    measuring and its complete run)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from nbclient.util import ensure_async, run_sync
 
     check_kernel(kernel_name)
     executed = copy.deepcopy(notebook)
-    client = NotebookClient(
+    client_class = (
+        NotebookClient
+        if report_log is None
+        else logging_client(NotebookClient, ReportLog(report_log))
+    )
+    client = client_class(
         executed,
         kernel_name=kernel_name,
         timeout=timeout,
         allow_errors=allow_errors,
         resources={"metadata": {"path": str(folder)}},
+        timeout_func=lambda cell: (
+            timeout * CHECKED_TIMEOUT if cell.source.startswith("%%perfcheck") else timeout
+        ),
     )
     result = Execution(executed)
 
@@ -122,12 +137,11 @@ def execute(
             for index, cell in enumerate(executed.cells[:cells]):
                 if cell.cell_type != "code":
                     continue
-                try:
+                # an error is read below from the cell's error output
+                with contextlib.suppress(CellExecutionError):
                     await client.async_execute_cell(
                         cell, index, execution_count=client.code_cells_executed + 1
                     )
-                except CellExecutionError:
-                    pass  # recorded below from the cell's error output
                 position = index + 1
                 result.seconds[position] = _cell_seconds(cell) or 0.0
                 if on_cell:

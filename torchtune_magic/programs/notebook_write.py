@@ -63,7 +63,9 @@ def optimized_copy(
     for checked, report in sorted(reports.items()):
         winning = wins([f.id for f in report.findings if f.fixable], report.variants)
         for fix, change in _fix_changes(report, winning):
-            index = checked if change.execution_count is None else by_count.get(change.execution_count)
+            index = (
+                checked if change.execution_count is None else by_count.get(change.execution_count)
+            )
             before, after = change.before, change.after
             if change.execution_count is None:
                 before, after = _without_magic_line(before), _without_magic_line(after)

@@ -40,9 +40,7 @@ def _hook_torch(counts: _Counts) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.utils.data import dataloader
 
-    register_optimizer_step_post_hook(
-        lambda *_: counts.add("optimizer_steps")
-    )
+    register_optimizer_step_post_hook(lambda *_: counts.add("optimizer_steps"))
     next_batch = dataloader._BaseDataLoaderIter.__next__
 
     @functools.wraps(next_batch)
