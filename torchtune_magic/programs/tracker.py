@@ -91,6 +91,19 @@ class _TorchFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _top_level_loops(tree: ast.AST) -> list[ast.For | ast.While]:
+    """The loops the cell itself runs (not those inside the functions it defines)."""
+    loops: list[ast.For | ast.While] = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.For, ast.While)):
+            loops.append(node)
+        else:
+            loops += _top_level_loops(node)
+    return loops
+
+
 def _module_called_in_loop(source: str, names: dict[str, Any]) -> str | None:
     """The name of a torch module the cell calls inside a for/while loop (an evaluation or
     serving loop without a DataLoader: `for x in queue: model(x)`), read after the cell ran
@@ -102,9 +115,7 @@ def _module_called_in_loop(source: str, names: dict[str, Any]) -> str | None:
         tree = ast.parse(source)
     except SyntaxError:  # IPython syntax (magics): no loop read
         return None
-    for loop in ast.walk(tree):
-        if not isinstance(loop, (ast.For, ast.While)):
-            continue
+    for loop in _top_level_loops(tree):
         for node in ast.walk(loop):
             if not isinstance(node, ast.Call):
                 continue
