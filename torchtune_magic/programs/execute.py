@@ -94,12 +94,11 @@ def execute(
     allow_errors: bool = False,
     setup: str = "",
     cells: int | None = None,
-    on_cell: Callable[[int, float | None], None] | None = None,
     report_log: Callable[[str], None] | None = None,
 ) -> Execution:
     """Execute a copy of `notebook` in `folder`: `setup` first (unrecorded), then its code
     cells in order, the first `cells` cells only when given. Stops after the first cell that
-    raises unless `allow_errors`; `on_cell(position, seconds)` after each code cell;
+    raises unless `allow_errors`;
     `report_log` gets a line as each `%%perfcheck` report's findings and numbers come in.
     A `%%perfcheck` cell may take CHECKED_TIMEOUT times `timeout` (it runs a probe, the
     measuring and its complete run)."""
@@ -144,8 +143,6 @@ def execute(
                     )
                 position = index + 1
                 result.seconds[position] = _cell_seconds(cell) or 0.0
-                if on_cell:
-                    on_cell(position, result.seconds[position])
                 error = _error_of(cell)
                 if error and result.error is None:
                     result.error = CellError(position, *error)
