@@ -76,6 +76,7 @@ def main() -> None:
         "bound_s": round(bound, 1),
         "within": scan_s <= bound,
         "exit_status": done.returncode,
+        "optimized": data["optimized"],
         "verify": data["verify"],
     }
     print("| notebook | plain run s | scan --write --verify s | checked cells | bound s | within |")
