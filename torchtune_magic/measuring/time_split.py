@@ -158,3 +158,4 @@ def recorded(
     """`inner` (the fixes' in-cell contexts, the loss recorder), timed part by part."""
     with inner, recorder.recording():
         yield
+
