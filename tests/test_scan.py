@@ -10,6 +10,8 @@ notebooks without torch, or stops before any kernel starts.
 
 from __future__ import annotations
 
+import ast
+import copy
 import json
 import os
 import shutil
@@ -21,7 +23,7 @@ import jsonschema
 import nbformat
 import pytest
 
-from torchtune_magic.programs import scan_render
+from torchtune_magic.programs import notebook_write, scan_render
 from torchtune_magic.programs.scan_result import (
     CellFailure,
     Difference,
@@ -30,7 +32,7 @@ from torchtune_magic.programs.scan_result import (
     Verification,
     load_scan_schema,
 )
-from torchtune_magic.report import load_schema
+from torchtune_magic.report import Report, load_schema
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIAL = REPO / "tests" / "data" / "notebooks"
@@ -236,6 +238,12 @@ def test_a_path_that_is_no_notebook_is_refused_before_anything_runs(
     assert not (tmp_path / "out.ipynb").exists() and not (tmp_path / "s.json").exists()
 
 
+def test_cells_that_are_not_code_cells_are_refused(tmp_path: Path) -> None:
+    path = _notebook(tmp_path, "print(1)")
+    done = scan(tmp_path, path.name, "--cells", "1")
+    assert done.returncode == 2 and "cell 1 is not a code cell" in done.stderr
+
+
 def test_a_notebook_whose_kernel_is_missing_says_so_and_writes_nothing(tmp_path: Path) -> None:
     path = _notebook(tmp_path, "print(1)")
     notebook = nbformat.read(path, as_version=4)
@@ -244,3 +252,34 @@ def test_a_notebook_whose_kernel_is_missing_says_so_and_writes_nothing(tmp_path:
     done = scan(tmp_path, path.name, "--json", "s.json")
     assert done.returncode == 1 and "no Jupyter kernel named 'no-such-kernel'" in done.stderr
     assert not (tmp_path / "s.json").exists()
+
+
+def test_the_copy_carries_only_winning_fixes_with_identical_results() -> None:
+    """The writer on a real report of the tutorial's training cell (tests/data, recorded by
+    a scan at --budget 40 on this machine, where no fix settled): read as if the loader fix
+    (identical results) and the thread fix (results close, not identical) had both
+    measured clearly faster. Only the loader fix may reach the copy: its two changes to
+    the cell that built both loaders, combined in one edit, tagged; nothing else changes."""
+    recorded = json.loads((REPO / "tests/data/scan_tutorial_report.json").read_text())
+    report = Report.from_dict(recorded["report"])
+    for variant in report.variants:
+        variant.verdict = "faster"
+    assert {v.numerics.verdict for v in report.variants} >= {"identical", "close"}
+    original = nbformat.read(TUTORIAL / "quickstart_tutorial.ipynb", as_version=4)
+    checking_run = copy.deepcopy(original)  # execution counts as a top-to-bottom run gives
+    code = [c for c in checking_run.cells if c.cell_type == "code"]
+    for count, cell in enumerate(code, 1):
+        cell.execution_count = count
+    optimized, edits, notes = notebook_write.optimized_copy(
+        original, checking_run, {recorded["index"]: report}
+    )
+    loaders = _position(original, "batch_size = 64")
+    assert [(e.index, e.fixes) for e in edits] == [(loaders, ["dataloader-workers"])]
+    assert notes == []
+    edited = optimized.cells[loaders - 1]
+    assert edited.source.count("num_workers=") == 2  # the train and the test loader
+    ast.parse(edited.source)
+    assert edited.metadata["torchtune_magic"] == {"fixes": ["dataloader-workers"]}
+    for index, (before, after) in enumerate(zip(original.cells, optimized.cells, strict=True), 1):
+        if index != loaders:
+            assert after == before

@@ -136,7 +136,10 @@ def scan(path: Path, options: ScanOptions, log: Callable[[str], None]) -> ScanRe
         "timeout": options.timeout,
         "allow_errors": options.allow_errors,
     }
-    wanted = choose.parse_cells(options.cells, notebook) if options.cells else None
+    try:
+        wanted = choose.parse_cells(options.cells, notebook) if options.cells else None
+    except ValueError as error:
+        raise ScanInputError(str(error)) from None
     with tempfile.TemporaryDirectory(prefix="torchtune-magic-scan-") as scratch:
         records = Path(scratch) / "cells.jsonl"
         log("plain run with a step counter…")

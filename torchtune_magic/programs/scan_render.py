@@ -14,6 +14,7 @@ from ..report import Report
 from .scan_result import ScannedCell, ScanResult, Verification
 
 PASSED_OVER_SHOWN = 5
+CELL_SHOWN_S = 0.1  # the verify's per-cell times in text: cells at least this long
 
 
 def verify_line(verify: Verification) -> str:
@@ -33,9 +34,9 @@ def _fix_lines(report: Report) -> list[str]:
     for finding in report.findings:
         if finding.fixable:
             variant = summary.solo_variant(report, finding)
-            lines.append(f"{finding.id}: {summary.speedup(report, variant)}")
+            lines.append(f"{finding.id} ({finding.where}): {summary.speedup(report, variant)}")
         else:
-            lines.append(f"{finding.id}: no live fix (a code change)")
+            lines.append(f"{finding.id} ({finding.where}): no live fix; a code change")
     return lines
 
 
@@ -48,7 +49,8 @@ def _checked_text(cell: ScannedCell) -> list[str]:
         if line:
             lines.append(f"    {line}")
     fixes = _fix_lines(report)
-    lines.append(f"    findings: {', '.join(f.id for f in report.findings) or 'none'}")
+    ids = list(dict.fromkeys(f.id for f in report.findings))  # one id per check, in order
+    lines.append(f"    findings: {', '.join(ids) or 'none'}")
     lines += [f"      {line}" for line in fixes]
     return lines
 
@@ -80,8 +82,11 @@ def text(result: ScanResult) -> str:
     verify = result.verification
     if verify is not None:
         lines.append(f"verify: {verify_line(verify)}")
-        for index, (before, after) in sorted(verify.cell_seconds.items()):
+        timed = {i: t for i, t in verify.cell_seconds.items() if max(t) >= CELL_SHOWN_S}
+        for index, (before, after) in sorted(timed.items()):
             lines.append(f"  cell {index}: {before:.2f} s → {after:.2f} s")
+        if len(timed) < len(verify.cell_seconds):
+            lines.append(f"  (cells under {CELL_SHOWN_S:g} s in both left out)")
         lines += [f"  masked as wall-clock time: {line}" for line in verify.masked]
         lines += [f"  DIFFERENCE in cell {d.index}: {d.line}" for d in verify.differences]
     lines += [f"note: {note}" for note in result.notes]
