@@ -93,6 +93,13 @@ def _run_other_rank(notebook: Path, args: argparse.Namespace, rank: int) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _scan(args: argparse.Namespace) -> int:
     """Exit status: 0, or 1 where a cell raised (and the scan stopped), the notebook could
     not run, or the verify found a difference; 2 for a path that is no notebook."""
@@ -175,7 +182,7 @@ def _add_scan(commands: argparse._SubParsersAction) -> None:
         "cell's outputs and times",
     )
     scan.add_argument(
-        "--verify-runs", type=int, default=1, metavar="N", help="runs of each (default 1)"
+        "--verify-runs", type=_at_least_one, default=1, metavar="N", help="runs of each (default 1)"
     )
     scan.add_argument(
         "--allow-errors",
