@@ -23,6 +23,7 @@ import jsonschema
 import nbformat
 import pytest
 
+from torchtune_magic.cli import main
 from torchtune_magic.programs import notebook_write, scan_render
 from torchtune_magic.programs.scan_result import (
     CellFailure,
@@ -54,6 +55,21 @@ def scan(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=600,
     )
+
+
+def scan_here(
+    folder: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str
+) -> tuple[int, str, str]:
+    """The CLI in this process (no interpreter and torch import to wait for): exit status,
+    stdout, stderr. The kernels it starts are real."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("PYTHONPATH", _env(folder)["PYTHONPATH"])
+    try:
+        status = main(["scan", *args])
+    except SystemExit as exit:  # argparse
+        status = exit.code
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def _notebook(folder: Path, *sources: str) -> Path:
@@ -209,12 +225,14 @@ def test_the_unmarked_quickstart_gets_both_training_cells_checked_in_place(quick
     assert quickstart["run"].returncode == 0, quickstart["run"].stderr
 
 
-def test_a_failing_cell_is_named_and_the_scan_stops_with_what_it_has(tmp_path: Path) -> None:
+def test_a_failing_cell_is_named_and_the_scan_stops_with_what_it_has(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = _notebook(tmp_path, "print('before')", "rows = [1, 2][5]", "print('after')")
-    done = scan(tmp_path, path.name, "--json", "s.json")
-    assert done.returncode == 1
-    assert "cell 3 raised IndexError: list index out of range" in done.stdout
-    assert "the scan stopped there" in done.stdout
+    status, out, _ = scan_here(tmp_path, capsys, monkeypatch, path.name, "--json", "s.json")
+    assert status == 1
+    assert "cell 3 raised IndexError: list index out of range" in out
+    assert "the scan stopped there" in out
     data = json.loads((tmp_path / "s.json").read_text())
     assert [c["index"] for c in data["cells"]] == [2, 3]  # cell 4 never ran
     jsonschema.validate(data, load_scan_schema())
@@ -229,28 +247,38 @@ def test_a_failing_cell_is_named_and_the_scan_stops_with_what_it_has(tmp_path: P
     ],
 )
 def test_a_path_that_is_no_notebook_is_refused_before_anything_runs(
-    tmp_path: Path, name: str, content: str | None, says: str
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    content: str | None,
+    says: str,
 ) -> None:
     if content is not None:
         (tmp_path / name).write_text(content)
-    done = scan(tmp_path, name, "--write", "out.ipynb", "--json", "s.json")
-    assert done.returncode == 2 and says in done.stderr
+    args = (name, "--write", "out.ipynb", "--json", "s.json")
+    status, _, err = scan_here(tmp_path, capsys, monkeypatch, *args)
+    assert status == 2 and says in err
     assert not (tmp_path / "out.ipynb").exists() and not (tmp_path / "s.json").exists()
 
 
-def test_cells_that_are_not_code_cells_are_refused(tmp_path: Path) -> None:
+def test_cells_that_are_not_code_cells_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = _notebook(tmp_path, "print(1)")
-    done = scan(tmp_path, path.name, "--cells", "1")
-    assert done.returncode == 2 and "cell 1 is not a code cell" in done.stderr
+    status, _, err = scan_here(tmp_path, capsys, monkeypatch, path.name, "--cells", "1")
+    assert status == 2 and "cell 1 is not a code cell" in err
 
 
-def test_a_notebook_whose_kernel_is_missing_says_so_and_writes_nothing(tmp_path: Path) -> None:
+def test_a_notebook_whose_kernel_is_missing_says_so_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = _notebook(tmp_path, "print(1)")
     notebook = nbformat.read(path, as_version=4)
     notebook.metadata["kernelspec"] = {"name": "no-such-kernel", "display_name": "gone"}
     nbformat.write(notebook, path)
-    done = scan(tmp_path, path.name, "--json", "s.json")
-    assert done.returncode == 1 and "no Jupyter kernel named 'no-such-kernel'" in done.stderr
+    status, _, err = scan_here(tmp_path, capsys, monkeypatch, path.name, "--json", "s.json")
+    assert status == 1 and "no Jupyter kernel named 'no-such-kernel'" in err
     assert not (tmp_path / "s.json").exists()
 
 
