@@ -120,7 +120,7 @@ def _scan(args: argparse.Namespace) -> int:
     except scan.ScanInputError as error:
         print(f"python -m torchtune_magic scan: error: {error}", file=sys.stderr)
         return 2
-    except (ExecuteError, ValueError) as error:
+    except ExecuteError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print()
