@@ -1,4 +1,4 @@
-"""Command line: `python -m torchtune_magic demo|run ...`."""
+"""Command line: `python -m torchtune_magic demo|run|scan ...`."""
 
 from __future__ import annotations
 
@@ -93,6 +93,115 @@ def _run_other_rank(notebook: Path, args: argparse.Namespace, rank: int) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _scan(args: argparse.Namespace) -> int:
+    """Exit status: 0, or 1 where a cell raised (and the scan stopped), the notebook could
+    not run, or the verify found a difference; 2 for a path that is no notebook."""
+    from .programs import scan, scan_render
+    from .programs.execute import ExecuteError
+
+    options = scan.ScanOptions(
+        **{k: getattr(args, k) for k in ("cells", "budget", "checks", "skip", "quick", "memory")},
+        write=args.write,
+        verify=args.verify,
+        verify_runs=args.verify_runs,
+        allow_errors=args.allow_errors,
+        timeout=args.timeout,
+        kernel=args.kernel,
+    )
+    try:
+        result = scan.scan(Path(args.notebook), options, lambda line: print(line, flush=True))
+    except scan.ScanInputError as error:
+        print(f"python -m torchtune_magic scan: error: {error}", file=sys.stderr)
+        return 2
+    except ExecuteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(scan_render.text(result))
+    if args.json:
+        print(f"JSON written to {result.write_json(args.json)}")
+    if args.html:
+        path = Path(args.html)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(scan_render.html(result))
+        print(f"HTML written to {path}")
+    differs = result.verification is not None and result.verification.differences
+    return 1 if result.stopped or differs else 0
+
+
+def _add_scan(commands: argparse._SubParsersAction) -> None:
+    scan = commands.add_parser(
+        "scan",
+        help="execute an unmarked notebook, check the cells worth it, optionally write and "
+        "verify an optimized copy",
+        description="Execute NOTEBOOK (nbclient, in its own folder), choose the cells whose "
+        "torch work repeats and takes at least 0.5 s, check each in place as %%perfcheck "
+        "would, and print a summary. Exits 1 if a cell raised (the scan stops there unless "
+        "--allow-errors) or the verify found a difference.",
+    )
+    scan.add_argument("notebook", metavar="NOTEBOOK", help="the .ipynb file to scan")
+    scan.add_argument(
+        "--cells",
+        metavar="LIST",
+        help="check these cells (e.g. 7,12: positions, markdown included)",
+    )
+    scan.add_argument(
+        "--budget", type=float, metavar="S", help="measuring seconds per checked cell (default 20)"
+    )
+    scan.add_argument("--checks", metavar="IDS", help="only these checks (comma list of ids)")
+    scan.add_argument("--skip", metavar="IDS", help="skip these checks (comma list of ids)")
+    scan.add_argument(
+        "--quick", action="store_true", help="measure only baseline and all fixes together"
+    )
+    scan.add_argument(
+        "--memory", action="store_true", help="memory is the constraint: report memory fixes"
+    )
+    scan.add_argument(
+        "--json", metavar="FILE", help="write the summary (schema torchtune-magic/scan/v1)"
+    )
+    scan.add_argument(
+        "--html", metavar="FILE", help="write the summary and every report as one page"
+    )
+    scan.add_argument(
+        "--write",
+        metavar="OPT.ipynb",
+        help="write the notebook with the code changes of the fixes measured clearly faster "
+        "with identical results",
+    )
+    scan.add_argument(
+        "--verify",
+        action="store_true",
+        help="execute the original and the optimized copy in alternation and compare every "
+        "cell's outputs and times",
+    )
+    scan.add_argument(
+        "--verify-runs", type=_at_least_one, default=1, metavar="N", help="runs of each (default 1)"
+    )
+    scan.add_argument(
+        "--allow-errors",
+        action="store_true",
+        help="record a cell's error as its output and go on (as nbconvert's option)",
+    )
+    scan.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds one cell may run plainly (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    scan.add_argument(
+        "--kernel", metavar="NAME", help="Jupyter kernel (default: the notebook's own)"
+    )
+    scan.set_defaults(handler=_scan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m torchtune_magic")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output", metavar="NB", help="also save the executed notebook to NB")
     run.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
     run.set_defaults(handler=_run)
+    _add_scan(commands)
     return parser
 
 

@@ -75,7 +75,7 @@ class ReportLog:
         self._seen[report.run_id] = (report.phase, logged)
 
 
-def _logging_client(client_class: type, log: ReportLog) -> type:
+def logging_client(client_class: type, log: ReportLog) -> type:
     """`client_class` (nbclient's NotebookClient) that hands every report output or update
     to `log` as the kernel sends it."""
 
@@ -103,7 +103,7 @@ class RunResult:
 
 
 @contextmanager
-def _inductor_cache() -> Iterator[str]:
+def inductor_cache() -> Iterator[str]:
     """The caller's TORCHINDUCTOR_CACHE_DIR if set, else a folder of this run's own: torch's
     default (one folder under /tmp for every process of the user) is shared with whatever
     else compiles at the same time, and a fresh cache reports compile time as a user's
@@ -158,9 +158,7 @@ def run_notebook(
     if not path.is_file():
         raise RunError(f"notebook not found: {path}")
     notebook = nbformat.read(path, as_version=4)
-    client_class = (
-        NotebookClient if log is None else _logging_client(NotebookClient, ReportLog(log))
-    )
+    client_class = NotebookClient if log is None else logging_client(NotebookClient, ReportLog(log))
     client = client_class(
         notebook,
         kernel_name=kernel_name,
@@ -170,7 +168,7 @@ def run_notebook(
     )
     started = time.perf_counter()
     try:
-        with _inductor_cache() as cache:
+        with inductor_cache() as cache:
             client.execute(env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     except CellExecutionError as error:
         cell = _failed_cell(notebook)

@@ -62,7 +62,6 @@ BEFORE_CELL = "before the cell"
 PART_RUN = "part of a run"  # the probe was stopped early
 
 
-
 def _joined() -> lockstep.Ranks | None:
     """This process's ranks (`lockstep.joined`); the load meter then counts the job's other
     ranks on this host as this process's own work, not another process's."""
@@ -70,6 +69,7 @@ def _joined() -> lockstep.Ranks | None:
     if ranks is not None:
         load.count_as_ours(ranks.peers)
     return ranks
+
 
 class Session(Reporting):
     """One %%perfcheck run: the flow. What it found and measured, the report assembled from

@@ -228,9 +228,7 @@ class ThreadsCheck(Check):
             beside = [f"{workers} busy workers"] if workers else []
             if others:
                 beside.append(f"{count(others, 'core')} of other processes' work")
-            details.append(
-                f"{current} threads + {' + '.join(beside)} on {count(per_rank, 'core')}"
-            )
+            details.append(f"{current} threads + {' + '.join(beside)} on {count(per_rank, 'core')}")
         if current > wanted and workers:  # the trial cannot see busy workers
             chosen = wanted
         else:

@@ -158,4 +158,3 @@ def recorded(
     """`inner` (the fixes' in-cell contexts, the loss recorder), timed part by part."""
     with inner, recorder.recording():
         yield
-
