@@ -238,6 +238,17 @@ def test_a_failing_cell_is_named_and_the_scan_stops_with_what_it_has(
     jsonschema.validate(data, load_scan_schema())
 
 
+def test_write_and_verify_with_no_cell_worth_checking_say_so_and_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _notebook(tmp_path, "print('no torch here')")
+    args = (path.name, "--write", "out.ipynb", "--verify")
+    status, out, _ = scan_here(tmp_path, capsys, monkeypatch, *args)
+    assert status == 0 and "checked: none" in out
+    assert "--write and --verify: no cell was checked" in out
+    assert not (tmp_path / "out.ipynb").exists()
+
+
 @pytest.mark.parametrize(
     ("name", "content", "says"),
     [

@@ -164,6 +164,14 @@ def scan(path: Path, options: ScanOptions, log: Callable[[str], None]) -> ScanRe
     listed = ", ".join(map(str, chosen)) or "(none)"
     log(f"plain run: {plain.total_s:.1f} s; checking cells {listed}")
     if not chosen:
+        if options.write or options.verify:
+            asked = " and ".join(
+                o for o, on in (("--write", options.write), ("--verify", options.verify)) if on
+            )
+            result.notes.append(
+                f"{asked}: no cell was checked, so there is no fix to write and the copy "
+                "would be the original (nothing written, nothing run again)"
+            )
         return result
     marked = _marked(notebook, chosen, options.magic_line())
     checking = execute(
