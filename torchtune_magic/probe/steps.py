@@ -44,7 +44,9 @@ import ast
 import bisect
 import contextlib
 import itertools
+import linecache
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,22 +90,83 @@ class StepSource:
     # dataset (batch), first parameter (optimizer step), module (forward), loop key (iteration)
     key: Any
     line: int | None = None  # the cell line the steps are issued from
+    # Objects the checked code builds on every run (a script's `main()` makes its dataset,
+    # model and optimizer anew): a new object of the probe's type whose step is issued from
+    # one of the probe's `lines` in the code's own files is the same step source
+    rebuilt: RebuiltSource | None = None
 
     def matches(self, obj: Any) -> bool:
         """Whether a loader iterator / optimizer / module / loop key belongs to this source."""
-        if self.unit == "batch":
-            return getattr(obj, "_dataset", None) is self.key
-        if self.unit == "optimizer step":
-            return first_parameter(obj) is self.key
         if self.unit == "iteration":
             return obj == self.key
-        return obj is self.key or getattr(obj, "_orig_mod", None) is self.key
+        if self.unit == "batch":
+            found = getattr(obj, "_dataset", None)
+        elif self.unit == "optimizer step":
+            found = obj
+            if first_parameter(obj) is self.key:
+                return True
+        else:
+            found = obj
+            if getattr(obj, "_orig_mod", None) is self.key:
+                return True
+        if found is self.key:
+            return True
+        return self.rebuilt is not None and self.rebuilt.matches(found)
 
     @property
     def loop_keys(self) -> frozenset[str]:
         """The loops a run must report iterations of for these steps to be counted (the
         cell compiled with `cell/loops`' hook in them); none for the other units."""
         return frozenset({self.key}) if self.unit == "iteration" else frozenset()
+
+
+@dataclass(frozen=True)
+class RebuiltSource:
+    """The probe's step object as the checked code builds it again in every run: its type,
+    and the code lines its steps were issued from. In the code as given they are known by
+    number; in a fix's edited text (lines inserted above shift them) by their text, read
+    from the edited text now running (`Workload.code_for` keeps it in linecache)."""
+
+    kind: tuple[str, str]  # module and qualified name: code that defines the class runs again
+    filename: str
+    lines: frozenset[int]
+    fixed_filename: str
+    texts: frozenset[str]
+
+    @classmethod
+    def of(cls, stepped: Any, workload: Any, lines: set[int]) -> RebuiltSource:
+        source_lines = workload.source.splitlines()
+        texts = {source_lines[n - 1].strip() for n in lines if 0 < n <= len(source_lines)}
+        return cls(
+            _type_name(stepped),
+            workload.filename,
+            frozenset(lines),
+            workload.fixed_filename,
+            frozenset(texts),
+        )
+
+    def matches(self, obj: Any) -> bool:
+        """`obj` has the probe's type and its step is issued from one of the probe's lines:
+        the first frame of the checked code on the stack is at one of them."""
+        if _type_name(obj) != self.kind:
+            return False
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if name == self.filename:
+                return frame.f_lineno in self.lines
+            if name == self.fixed_filename:
+                entry = linecache.cache.get(name)
+                lines = entry[2] if entry else []
+                line = lines[frame.f_lineno - 1].strip() if frame.f_lineno <= len(lines) else ""
+                return line in self.texts
+            frame = frame.f_back
+        return False
+
+
+def _type_name(obj: Any) -> tuple[str, str]:
+    kind = type(obj)
+    return (kind.__module__, kind.__qualname__)
 
 
 def first_parameter(optimizer: Any) -> torch.Tensor | None:
@@ -711,13 +774,16 @@ def source_of(obs: Observation, trace: StepTrace) -> StepSource:
     line = min(trace.lines) if trace.lines else None
     entry = obs.found.get(id(obj))
     label = entry.name if entry is not None else type(obj).__name__
-    if trace.unit == "batch":
-        return StepSource("batch", label, obj.dataset, line)
-    if trace.unit == "optimizer step":
-        return StepSource("optimizer step", label, first_parameter(obj), line)
     if trace.unit == "iteration":
         return StepSource("iteration", obj.describe(), obj.key, obj.line)
-    return StepSource("forward", label, obj, line)
+    stepped = obj.dataset if trace.unit == "batch" else obj
+    workload = obs.workload
+    rebuilt = RebuiltSource.of(stepped, workload, trace.lines) if trace.lines else None
+    if trace.unit == "batch":
+        return StepSource("batch", label, obj.dataset, line, rebuilt)
+    if trace.unit == "optimizer step":
+        return StepSource("optimizer step", label, first_parameter(obj), line, rebuilt)
+    return StepSource("forward", label, obj, line, rebuilt)
 
 
 def count_steps(obs: Observation, trace: StepTrace) -> StepCount:

@@ -1,0 +1,1 @@
+"""Whole programs: scripts and unmarked notebooks checked end to end."""
