@@ -1,1 +1,1 @@
-"""Whole programs: scripts and unmarked notebooks checked end to end."""
+"""Whole programs: scripts and unmarked notebooks checked end to end (`check`, `scan`)."""
