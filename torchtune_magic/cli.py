@@ -1,4 +1,4 @@
-"""Command line: `python -m torchtune_magic demo|run ...`."""
+"""Command line: `python -m torchtune_magic demo|run|check ...`."""
 
 from __future__ import annotations
 
@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output", metavar="NB", help="also save the executed notebook to NB")
     run.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
     run.set_defaults(handler=_run)
+    from .programs import check
+
+    check.add_parser(commands)
     return parser
 
 

@@ -169,6 +169,15 @@ class Workload:
             raise CellError(error) from error
         return time.perf_counter() - start
 
+    def complete_run(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the code's one complete run (`Session.finish`): a cell has nothing
+        to do there; a script writes its files for real only then (`programs/script.py`)."""
+        return contextlib.nullcontext()
+
+    def probe_was_complete(self) -> None:
+        """The probe ran the code to its end, so it was the complete run (a script then
+        keeps the files it wrote)."""
+
     @property
     def fixed_filename(self) -> str:
         if self.filename.startswith("<"):
