@@ -183,6 +183,7 @@ _WORDS = (
     ("the cell's complete run", "the script's complete run"),
     ("whole cell", "whole script"),
     ("iterated at cell line", "iterated at line"),
+    ("the cell ran once", "the script ran once"),
 )
 
 
