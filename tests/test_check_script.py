@@ -138,7 +138,7 @@ def _free_port() -> int:
 def test_under_torchrun_rank_0_reports_and_the_other_rank_says_a_line(tmp_path):
     launcher = ["--nproc-per-node", "2", "--master-port", str(_free_port())]
     command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "torchtune_magic"]
-    command += ["check", "--budget", "6", "--checks", "dataloader-workers", str(EXAMPLE), *ARGS]
+    command += ["check", "--budget", "4", "--checks", "dataloader-workers", str(EXAMPLE), *ARGS]
     done = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env()
     )
