@@ -44,9 +44,7 @@ import ast
 import bisect
 import contextlib
 import itertools
-import linecache
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -60,6 +58,7 @@ from ..cell.workload import synchronize
 from ..distributed import lockstep
 from ..kernel.fixes import Patcher
 from . import frameworks
+from .rebuilt import RebuiltSource
 
 if TYPE_CHECKING:
     from .observation import Observation, StepTrace
@@ -118,55 +117,6 @@ class StepSource:
         """The loops a run must report iterations of for these steps to be counted (the
         cell compiled with `cell/loops`' hook in them); none for the other units."""
         return frozenset({self.key}) if self.unit == "iteration" else frozenset()
-
-
-@dataclass(frozen=True)
-class RebuiltSource:
-    """The probe's step object as the checked code builds it again in every run: its type,
-    and the code lines its steps were issued from. In the code as given they are known by
-    number; in a fix's edited text (lines inserted above shift them) by their text, read
-    from the edited text now running (`Workload.code_for` keeps it in linecache)."""
-
-    kind: tuple[str, str]  # module and qualified name: code that defines the class runs again
-    filename: str
-    lines: frozenset[int]
-    fixed_filename: str
-    texts: frozenset[str]
-
-    @classmethod
-    def of(cls, stepped: Any, workload: Any, lines: set[int]) -> RebuiltSource:
-        source_lines = workload.source.splitlines()
-        texts = {source_lines[n - 1].strip() for n in lines if 0 < n <= len(source_lines)}
-        return cls(
-            _type_name(stepped),
-            workload.filename,
-            frozenset(lines),
-            workload.fixed_filename,
-            frozenset(texts),
-        )
-
-    def matches(self, obj: Any) -> bool:
-        """`obj` has the probe's type and its step is issued from one of the probe's lines:
-        the first frame of the checked code on the stack is at one of them."""
-        if _type_name(obj) != self.kind:
-            return False
-        frame = sys._getframe(2)
-        while frame is not None:
-            name = frame.f_code.co_filename
-            if name == self.filename:
-                return frame.f_lineno in self.lines
-            if name == self.fixed_filename:
-                entry = linecache.cache.get(name)
-                lines = entry[2] if entry else []
-                line = lines[frame.f_lineno - 1].strip() if frame.f_lineno <= len(lines) else ""
-                return line in self.texts
-            frame = frame.f_back
-        return False
-
-
-def _type_name(obj: Any) -> tuple[str, str]:
-    kind = type(obj)
-    return (kind.__module__, kind.__qualname__)
 
 
 def first_parameter(optimizer: Any) -> torch.Tensor | None:
