@@ -77,7 +77,7 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (folder / "mnist_cnn.pt").unlink(missing_ok=True)
     options = ["--budget", "15", "--checks", "dataloader-workers"]
     options += ["--apply", "dataloader-workers", "--patch", "fix.diff", "--verify"]
-    options += ["--json", "report.json"]
+    options += ["--json", "report.json", "--html", "report.html"]
     checked = _check(folder, *options, "mnist_main.py", *ARGS, "--save-model")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     report = json.loads((folder / "report.json").read_text())
@@ -101,6 +101,7 @@ def test_the_loader_finding_is_measured_per_batch_and_over_the_whole_run(example
     variant = next(v for v in report["variants"] if v["fixes"] == ["dataloader-workers"])
     assert variant["speedup"] is not None and variant["verdict"] != "slower"
     assert variant["median_s"] < report["baseline"]["median_s"] * 10  # per batch, not per run
+    assert "where the time went" in stdout and "data wait" in stdout
     assert "the script's whole run: " in stdout
     assert "dataloader-workers: " in stdout and " per batch (" in stdout
 
@@ -127,6 +128,7 @@ def test_the_json_report_carries_the_program_and_loads(example):
     assert program["script"] == "mnist_main.py" and program["args"] == [*ARGS, "--save-model"]
     assert program["patch"] == "fix.diff"
     assert Report.from_dict(data).program == program
+    assert "dataloader-workers" in (example["folder"] / "report.html").read_text()
 
 
 def _free_port() -> int:

@@ -109,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
                 return _exit_status(error.original.status)
             sys.stderr.write(_script_traceback(error.original, workload.filename))
             return 1
+        except KeyboardInterrupt:  # as Python ends a script stopped by Ctrl-C
+            print(
+                "\nKeyboardInterrupt: the check stopped; nothing more was measured", file=sys.stderr
+            )
+            return 130
         stdin = workload.stdin.text if workload.stdin and workload.stdin.consumed else None
         if rank:
             print(f"rank {rank}: checked {script.path} with the other ranks; rank 0 reports")
@@ -133,7 +138,7 @@ def _report(
     status = _exit_status(workload.exit_status)
     changed = session.suggested_cell()  # type: ignore[attr-defined]
     patch = unified(script.path, script.source, changed)
-    notes = headline.lines(report, workload)
+
     program: dict[str, object] = {
         "script": str(script.path),
         "args": list(script.args),
@@ -164,8 +169,8 @@ def _report(
                 status = status or 1
     report.program = program
     print()
-    print(_script_words(text.render(report), script))
-    for line in notes + after:
+    print(_with_headline(_script_words(text.render(report), script), report, workload))
+    for line in after:
         print(line)
     if args.json:
         print(f"JSON report written to {report.write_json(args.json)}")
@@ -192,6 +197,19 @@ def _script_words(rendered: str, script: Script) -> str:
     for cell, program in _WORDS:
         rendered = rendered.replace(cell, program)
     return rendered
+
+
+def _with_headline(rendered: str, report: object, workload: ScriptWorkload) -> str:
+    """The report with the script's own lines first (`headline.py`): the whole run under
+    the title, each fix's per-step gain against its start-up at the end of the opening
+    block (before the findings)."""
+    whole, fixes = headline.lines(report, workload)  # type: ignore[arg-type]
+    title, _, rest = rendered.partition("\n")
+    head, blank, findings = rest.partition("\n\n")
+    lines = [title, *whole, head]
+    if fixes:
+        lines += ["over the whole run:", *(f"  {line}" for line in fixes)]
+    return "\n".join(lines) + blank + findings
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -67,26 +67,25 @@ def fix_line(report: Report, variant: Variant) -> str | None:
         pays_after = math.ceil(variant.one_time_s / saved)
         of = f" of this run's {steps}" if steps else ""
         if before and after and after >= before:
+            has = f" (this run has {steps})" if steps else ""
             text += (
                 f": the start-up eats the per-{unit} gain here; it pays with more than "
-                f"{pays_after} {_plural(unit)} per run{of} (more "
-                "per epoch, or more epochs with persistent workers, which start once per run "
-                "instead of every epoch)"
+                f"{pays_after} {_plural(unit)} per run{has}: more per epoch, or more epochs "
+                "with persistent workers, which start once per run instead of every epoch"
             )
         else:
             text += f": pays back its start-up after {pays_after} {_plural(unit)}{of}"
     return text
 
 
-def lines(report: Report, workload: ScriptWorkload) -> list[str]:
-    """The script's whole run, each measured fix against it, and where its files went."""
-    found = [whole_run(report)]
-    for variant in report.latest_variants():
-        found.append(fix_line(report, variant))
+def lines(report: Report, workload: ScriptWorkload) -> tuple[list[str], list[str]]:
+    """(The script's whole run and where its files went; each measured fix against it)."""
+    whole = [whole_run(report)]
     written = workload.writes.written
     if written:
-        found.append(
+        whole.append(
             f"files the script writes ({', '.join(written)}) were written by its complete run "
             "only: the other runs wrote to a scratch folder, deleted afterwards"
         )
-    return [line for line in found if line]
+    fixes = [fix_line(report, variant) for variant in report.latest_variants()]
+    return [line for line in whole if line], [line for line in fixes if line]
