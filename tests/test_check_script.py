@@ -158,13 +158,16 @@ print("before")
 load(3)
 """
 EXITS = 'import sys\nprint("partial")\nsys.exit(3)\n'
-READS = """import sys, torch
+READS = r"""import sys, torch
 total = sum(float(line) for line in sys.stdin)
 if total != 6.5:  # a measuring run that found stdin consumed would fail the check
     raise ValueError(f"read {total}")
+with open("log.txt", "a") as log:
+    log.write("run\n")
 layer = torch.nn.Linear(4, 4)
 for _ in range(30):
     layer(torch.ones(8, 4)).sum().backward()
+torch.save(layer.state_dict(), "layer.pt")
 print("sum", total)
 """
 
@@ -200,7 +203,9 @@ def test_the_scripts_exit_status_is_checks(scripts):
     assert done.returncode == 3 and done.stdout == "partial\n" and not done.stderr
 
 
-def test_a_script_reading_stdin_reads_it_in_every_run_and_nothing_to_patch(scripts):
+def test_stdin_replayed_files_written_once_and_nothing_to_patch(scripts):
+    """Every run reads the whole input; the log the script appends to and the model it saves
+    are written by one run, though the check ran it several times."""
     done = _check(
         scripts,
         *("--budget", "3", "--checks", "dataloader-workers", "--patch", "none.diff"),
@@ -209,5 +214,7 @@ def test_a_script_reading_stdin_reads_it_in_every_run_and_nothing_to_patch(scrip
     )
     assert done.returncode == 0, done.stderr
     assert _script_part(done.stdout) == "sum 6.5\n"  # every run read the whole input
+    assert (scripts / "log.txt").read_text() == "run\n"
+    assert (scripts / "layer.pt").exists()
     assert "--patch: nothing to change" in done.stdout
     assert not (scripts / "none.diff").exists()

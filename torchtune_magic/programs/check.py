@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
     except (ScriptInputError, OptionsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    try:
+        compile(script.source, script.real_path, "exec")
+    except SyntaxError as error:  # as `python SCRIPT` shows it: where, and no traceback
+        sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
+        return 1
     rank = _launched_rank()
     with _process_group(script), as_main(script) as workload:
         from ..session import Session
@@ -161,6 +166,11 @@ def _report(
     if args.verify:
         if patch is None:
             after.append("--verify: nothing to compare (no recommended code change)")
+        elif _launched_rank() is not None:  # plain runs of one rank would wait for the others
+            after.append(
+                "--verify: not run under torchrun (one rank's plain runs cannot stand for the "
+                "job's); run the original and the patched script under torchrun to compare"
+            )
         else:
             verified = verify(script, changed, args.verify_runs, stdin)
             program["verify"] = verified.to_dict()

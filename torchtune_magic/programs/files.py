@@ -6,10 +6,12 @@ must not be written by the extra runs. So every run but the complete one writes 
 scratch folder instead: `open`/`io.open` in a writing mode (and `torch.save` to a path,
 whose file torch's C++ opens itself) get a scratch path standing for the real one; a file a
 run wrote is read back from its scratch copy by that run (`open` for reading, `torch.load`);
-a file opened for appending or updating starts as a copy of the real one. Where the probe
-turned out to be the whole run (it was not stopped at a step), it *was* the complete run:
-its scratch files are copied to their real paths (`commit`). Writes through other routes
-(`os.open`, a C library's own file handling) are not redirected.
+a file opened for appending or updating starts as a copy of the real one. Each run starts
+from an empty scratch folder: it reads the real files, as a plain run would, and its own
+writes. Where the probe turned out to be the whole run (it was not stopped at a step), it
+*was* the complete run: its scratch files are copied to their real paths (`commit`).
+Writes through other routes (`os.open`, a C library's own file handling) are not
+redirected.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ class ScratchWrites:
             scratch = self._folder / f"{len(self._scratch)}-{os.path.basename(real)}"
             self._scratch[real] = scratch
             if copy_existing and os.path.isfile(real):
-                shutil.copyfile(real, scratch)
+                # io.FileIO, not `open`: our own copy must not pass through the redirect
+                with io.FileIO(real, "r") as source, io.FileIO(scratch, "w") as target:
+                    shutil.copyfileobj(source, target)
             shown = os.fsdecode(file)
             if shown not in self.written:
                 self.written.append(shown)
@@ -75,6 +79,7 @@ class ScratchWrites:
         if self.real:
             yield
             return
+        self.discard()  # each run sees the files as a plain run would, and its own writes
         import torch
 
         patcher = Patcher()
