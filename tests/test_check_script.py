@@ -113,8 +113,9 @@ def test_the_patch_applies_and_the_patched_script_prints_the_same(example):
     assert "num_workers=" in patch
     git = subprocess.run(["git", "apply", "--check", "fix.diff"], cwd=folder, capture_output=True)
     assert git.returncode == 0, git.stderr
-    dry = ["patch", "-p1", "--dry-run", "-i", "fix.diff"]
-    assert subprocess.run(dry, cwd=folder, capture_output=True).returncode == 0
+    if shutil.which("patch") is not None:  # GNU patch, where the machine has it
+        dry = ["patch", "-p1", "--dry-run", "-i", "fix.diff"]
+        assert subprocess.run(dry, cwd=folder, capture_output=True).returncode == 0
     verify = example["report"]["program"]["verify"]
     assert verify["same"] and verify["difference"] is None and verify["runs"] == 1
     assert "verify: " in example["checked"].stdout

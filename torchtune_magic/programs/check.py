@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..cell.workload import CellError
 from ..options import Options, OptionsError
@@ -33,10 +33,9 @@ from . import headline
 from .patch import unified
 from .script import Script, ScriptExit, ScriptInputError, ScriptWorkload, as_main
 
-
-def _launched_rank() -> int | None:
-    rank = os.environ.get("RANK")
-    return int(rank) if rank is not None and os.environ.get("WORLD_SIZE") else None
+if TYPE_CHECKING:
+    from ..report import Report
+    from ..session import Session
 
 
 @contextlib.contextmanager
@@ -101,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     except SyntaxError as error:  # as `python SCRIPT` shows it: where, and no traceback
         sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
         return 1
+    from ..cli import _launched_rank
+
     rank = _launched_rank()
     with _process_group(script), as_main(script) as workload:
         from ..session import Session
@@ -123,25 +124,24 @@ def run(args: argparse.Namespace) -> int:
         if rank:
             print(f"rank {rank}: checked {script.path} with the other ranks; rank 0 reports")
             return _exit_status(workload.exit_status)
-        return _report(args, script, session, report, workload, stdin)
+        return _report(args, script, session, report, workload, stdin, rank)
 
 
 def _report(
     args: argparse.Namespace,
     script: Script,
-    session: object,
-    report: object,
+    session: Session,
+    report: Report,
     workload: ScriptWorkload,
     stdin: str | None,
+    rank: int | None,
 ) -> int:
     """Print the report (and write the patch, verify, JSON, HTML asked for)."""
     from ..render import html, text
-    from ..report import Report
     from .script_verify import verify
 
-    assert isinstance(report, Report)
     status = _exit_status(workload.exit_status)
-    changed = session.suggested_cell()  # type: ignore[attr-defined]
+    changed = session.suggested_cell()
     patch = unified(script.path, script.source, changed)
 
     program: dict[str, object] = {
@@ -166,7 +166,7 @@ def _report(
     if args.verify:
         if patch is None:
             after.append("--verify: nothing to compare (no recommended code change)")
-        elif _launched_rank() is not None:  # plain runs of one rank would wait for the others
+        elif rank is not None:  # plain runs of one rank would wait for the others
             after.append(
                 "--verify: not run under torchrun (one rank's plain runs cannot stand for the "
                 "job's); run the original and the patched script under torchrun to compare"
@@ -209,11 +209,11 @@ def _script_words(rendered: str, script: Script) -> str:
     return rendered
 
 
-def _with_headline(rendered: str, report: object, workload: ScriptWorkload) -> str:
+def _with_headline(rendered: str, report: Report, workload: ScriptWorkload) -> str:
     """The report with the script's own lines first (`headline.py`): the whole run under
     the title, each fix's per-step gain against its start-up at the end of the opening
     block (before the findings)."""
-    whole, fixes = headline.lines(report, workload)  # type: ignore[arg-type]
+    whole, fixes = headline.lines(report, workload)
     title, _, rest = rendered.partition("\n")
     head, blank, findings = rest.partition("\n\n")
     lines = [title, *whole, head]
