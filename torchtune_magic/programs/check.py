@@ -13,8 +13,9 @@ Lockstep needs a process group before the probe; a script that does not create o
 (one that trains a copy per rank, or none at all) gets one from `check`: gloo, from
 torchrun's environment, destroyed at the end. A script that calls `init_process_group`
 itself keeps doing so (the engine then lets its probe run whole, as for a Lightning cell,
-and joins the ranks after it). Rank 0 prints the report and writes the files; the others
-print the script's output and one line.
+and joins the ranks after it; its later runs reuse the group: `script._process_group_kept`).
+Rank 0 prints the report and writes the files; the others print the script's output and
+one line.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def _process_group(script: Script) -> Iterator[None]:
         dist.init_process_group(backend="gloo")
     try:
         yield
-    finally:
-        if ours and dist.is_initialized():
+    finally:  # ours, or the script's, whose destroy waited for the check's end
+        if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -197,7 +198,7 @@ def _report(
 _WORDS = (
     ("the cell's complete run", "the script's complete run"),
     ("whole cell", "whole script"),
-    ("iterated at cell line", "iterated at line"),
+    ("cell line ", "line "),
     ("the cell ran once", "the script ran once"),
 )
 

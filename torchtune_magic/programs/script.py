@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cell.workload import Workload
+from ..kernel.fixes import Patcher
 from ..kernel.plain_stack import PlainStack
 from .files import ScratchWrites
 
@@ -175,7 +176,7 @@ class ScriptWorkload(Workload):
         sys.argv[:] = self.script.argv
         if self.stdin is not None:
             self.stdin.rewind()
-        with self.writes.redirected():
+        with self.writes.redirected(), _process_group_kept():
             return super().run(source, under, self._exit_ends_run(around), loop_keys)
 
     @contextlib.contextmanager
@@ -202,6 +203,36 @@ class ScriptWorkload(Workload):
         """The probe ran the whole script: what it wrote to the scratch folder is put where
         the script wrote it (as the complete run would have written it)."""
         self.writes.commit()
+
+
+@contextlib.contextmanager
+def _process_group_kept() -> Iterator[None]:
+    """A script that makes its process group makes it in every run, and torch allows one
+    default group per process: the first run's group serves the later runs
+    (`init_process_group` returns at once where one exists) and the script's
+    `destroy_process_group()` of it waits for the check's end (`check._process_group`)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield
+        return
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+
+    def init_once(*args: Any, **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            init(*args, **kwargs)
+
+    def destroy_later(group: Any = None) -> None:
+        if group is not None and group is not dist.group.WORLD:
+            destroy(group)
+
+    patcher = Patcher()
+    try:
+        patcher.setattr(dist, "init_process_group", init_once)
+        patcher.setattr(dist, "destroy_process_group", destroy_later)
+        yield
+    finally:
+        patcher.undo()
 
 
 @contextlib.contextmanager
