@@ -19,14 +19,15 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from torchtune_magic import cli
 from torchtune_magic.programs import outputs
 from torchtune_magic.report import Report, load_schema
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLE = TESTS / "data" / "scripts" / "mnist_main.py"
-# a short run of the example whose batches wait for (simulated) storage: 40 batches of 16
+# a short run of the example whose batches wait for (simulated) storage: 30 batches of 16
 ARGS = [
-    "--epochs", "1", "--batch-size", "16", "--train-size", "640", "--test-size", "100",
+    "--epochs", "1", "--batch-size", "16", "--train-size", "480", "--test-size", "100",
     "--test-batch-size", "100", "--log-interval", "10", "--read-latency-ms", "2",
 ]  # fmt: skip
 TIMEOUT_S = 240
@@ -97,7 +98,7 @@ def test_the_loader_finding_is_measured_per_batch_and_over_the_whole_run(example
     report, stdout = example["report"], example["checked"].stdout
     assert any(f["id"] == "dataloader-workers" for f in report["findings"])
     assert report["sampling"]["unit"] == "batch"
-    assert report["cell_run"]["steps"] == 40  # every batch of the complete run counted
+    assert report["cell_run"]["steps"] == 30  # every batch of the complete run counted
     variant = next(v for v in report["variants"] if v["fixes"] == ["dataloader-workers"])
     assert variant["speedup"] is not None and variant["verdict"] != "slower"
     assert variant["median_s"] < report["baseline"]["median_s"] * 10  # per batch, not per run
@@ -141,7 +142,8 @@ def _free_port() -> int:
 def test_under_torchrun_rank_0_reports_and_the_other_rank_says_a_line(tmp_path):
     launcher = ["--nproc-per-node", "2", "--master-port", str(_free_port())]
     command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "torchtune_magic"]
-    command += ["check", "--budget", "4", "--checks", "dataloader-workers", str(EXAMPLE), *ARGS]
+    command += ["check", "--budget", "3", "--checks", "dataloader-workers", str(EXAMPLE), *ARGS]
+    command += ["--train-size", "320"]  # 20 batches a rank (the last --train-size counts)
     done = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env()
     )
@@ -181,11 +183,17 @@ def scripts(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_bad_paths_get_a_clear_error(scripts):
-    missing = _check(scripts, "nothing.py")
-    assert missing.returncode == 2 and "nothing.py: no such file" in missing.stderr
-    notebook = _check(scripts, "lesson.ipynb")
-    assert notebook.returncode == 2 and "torchtune_magic scan lesson.ipynb" in notebook.stderr
+def test_bad_paths_get_a_clear_error(scripts, capsys, monkeypatch):
+    """The command's own entry point, in this process: nothing runs before the path is
+    refused (a subprocess would only add the interpreter's start)."""
+    monkeypatch.chdir(scripts)
+    assert cli.main(["check", "nothing.py"]) == 2
+    assert "error: nothing.py: no such file" in capsys.readouterr().err
+    assert cli.main(["check", "lesson.ipynb", "--epochs", "1"]) == 2
+    assert "use `python -m torchtune_magic scan lesson.ipynb`" in capsys.readouterr().err
+    (scripts / "notes.txt").write_text("not python")
+    assert cli.main(["check", "notes.txt"]) == 2
+    assert "notes.txt is not a Python script" in capsys.readouterr().err
 
 
 def test_a_script_that_raises_shows_its_own_traceback_and_no_report(scripts):
