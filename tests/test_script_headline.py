@@ -55,3 +55,13 @@ def test_a_long_script_reads_when_the_start_up_is_paid_back():
     assert "eats" not in line
     whole = headline.whole_run(report)
     assert whole is not None and whole.startswith("the script's whole run: 10.50 s (200 batches")
+
+
+def test_the_whole_run_counts_what_follows_the_last_step():
+    """A test pass after training is in no step: the complete run's time carries it, and
+    the fix's whole run keeps it too."""
+    report, fixed = _report(batches=200)
+    assert report.cell_run is not None
+    report.cell_run.seconds = 10.50 + 2.0  # the projection, then a 2 s evaluation
+    line = headline.fix_line(report, fixed)
+    assert line is not None and "whole run 12.50 s → 9.40 s" in line

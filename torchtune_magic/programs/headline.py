@@ -42,6 +42,19 @@ def whole_run(report: Report) -> str | None:
     return text
 
 
+def _whole_runs(report: Report, variant: Variant) -> tuple[float | None, float | None]:
+    """The whole run before and after the fix. The engine projects a run from its steps
+    (setup and one-time costs to step W, then every later step); what follows the last
+    step (a test pass, saving) is in no projection. Where the script's complete run ran
+    without fixes, its time is the whole run before, and the fix's whole run is that less
+    what the projections say the fix saves."""
+    before, after = report.baseline.projected_cell_s, variant.projected_cell_s
+    run = report.cell_run
+    if before and after and run and run.seconds and run.status == "complete" and not run.fixes:
+        return run.seconds, run.seconds - (before - after)
+    return before, after
+
+
 def fix_line(report: Report, variant: Variant) -> str | None:
     """A measured fix: per step, its one-time cost, the whole run projected, and when the
     per-step gain pays the one-time cost back (None where the fix was not measured)."""
@@ -58,7 +71,7 @@ def fix_line(report: Report, variant: Variant) -> str | None:
     if variant.one_time_s:
         cause = variant.one_time_cause or "one-time cost"
         text += f"; start-up {_s(variant.one_time_s)} per run ({cause})"
-    before, after = base.projected_cell_s, variant.projected_cell_s
+    before, after = _whole_runs(report, variant)
     if before and after:
         text += f"; whole run {_s(before)} → {_s(after)} (projected, start-up counted)"
     saved = base.median_s - variant.median_s
