@@ -232,7 +232,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "tuning guide would change, measure each fix, print the script's output once and the "
         "report. Exit status: the script's own.",
     )
-    check.add_argument("--budget", type=float, default=None, help="measuring seconds")
+    check.add_argument(
+        "--budget", type=float, default=None, metavar="S", help="measuring seconds (default 20)"
+    )
     check.add_argument("--checks", metavar="IDS", help="only these checks (comma list)")
     check.add_argument("--skip", metavar="IDS", help="not these checks (comma list)")
     check.add_argument("--quick", action="store_true", help="baseline and all fixes only")
@@ -242,7 +244,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     check.add_argument("--memory", action="store_true", help="measure peak memory too")
     check.add_argument("--json", metavar="FILE", help="write the report as JSON")
     check.add_argument("--html", metavar="FILE", help="write the report as HTML")
-    check.add_argument("--patch", metavar="FILE", help="write the recommended code changes")
+    check.add_argument(
+        "--patch", metavar="FILE", help="write the recommended code changes as a unified diff"
+    )
     check.add_argument(
         "--verify",
         action="store_true",
