@@ -728,7 +728,11 @@ def source_of(obs: Observation, trace: StepTrace) -> StepSource:
         return StepSource("iteration", obj.describe(), obj.key, obj.line)
     stepped = obj.dataset if trace.unit == "batch" else obj
     workload = obs.workload
-    rebuilt = RebuiltSource.of(stepped, workload, trace.lines) if trace.lines else None
+    # only for objects the code built itself: one bound before it is the same every run
+    built_here = not obs.lasting_locations(trace.obj) and not obs.lasting_locations(stepped)
+    rebuilt = None
+    if trace.lines and built_here:
+        rebuilt = RebuiltSource.of(stepped, workload, trace.lines)
     if trace.unit == "batch":
         return StepSource("batch", label, obj.dataset, line, rebuilt)
     if trace.unit == "optimizer step":
