@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     except SyntaxError as error:  # as `python SCRIPT` shows it: where, and no traceback
         sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
         return 1
-    from ..cli import _launched_rank
+    from ..distributed import lockstep
 
-    rank = _launched_rank()
+    rank = lockstep.launched_rank()
     with _process_group(script), as_main(script) as workload:
         from ..session import Session
 
