@@ -1,12 +1,12 @@
-"""Command line: `python -m torchtune_magic demo|run|scan ...`."""
+"""Command line: `python -m torchtune_magic demo|run|check|scan ...`."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from .distributed import lockstep
 from .report import count
 from .runner import DEFAULT_TIMEOUT_S
 
@@ -29,20 +29,16 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launched_rank() -> int | None:
-    """This process's rank where torchrun launched it (its kernel inherits the rank's
-    environment, so the notebook's own `init_process_group()` joins the job)."""
-    rank = os.environ.get("RANK")
-    return int(rank) if rank is not None and os.environ.get("WORLD_SIZE") else None
-
-
 def _run(args: argparse.Namespace) -> int:
     from . import runner
     from .render import text
 
     notebook = Path(args.notebook)
-    rank = _launched_rank()
-    if rank:  # under torchrun, rank 0 prints and writes the reports; the others say a line
+    # under torchrun (the kernel inherits the rank's environment, so the notebook's own
+    # `init_process_group()` joins the job) rank 0 prints and writes the reports; the
+    # others say a line
+    rank = lockstep.launched_rank()
+    if rank:
         return _run_other_rank(notebook, args, rank)
     print(f"running {notebook} (kernel {args.kernel}, timeout {args.timeout:g} s per cell)…")
     try:
@@ -231,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output", metavar="NB", help="also save the executed notebook to NB")
     run.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
     run.set_defaults(handler=_run)
+    from .programs import check
+
+    check.add_parser(commands)
     _add_scan(commands)
     return parser
 

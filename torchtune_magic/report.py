@@ -416,6 +416,9 @@ class Report:
     time_split: dict[str, float] | None = None
     # checks whose own trial measured their fix slower here: not findings, said apart
     checked: list[Checked] = field(default_factory=list)
+    # `check SCRIPT`: the script, its arguments, the patch written and the verify result
+    # (`{"script", "args", "patch", "verify"}`, see report.schema.json); None for a cell
+    program: dict[str, Any] | None = None
 
     def variant_for(self, fixes: list[str] | tuple[str, ...]) -> Variant | None:
         """The newest measurement of exactly these fixes, if any (`variants` keeps every
@@ -460,6 +463,7 @@ class Report:
             "recommended",
             "load",
             "time_split",
+            "program",
         )
         for key in (*optional, "distributed"):
             if data[key] is None:
@@ -532,6 +536,7 @@ class Report:
             failures=[OwnFailure(**f) for f in data.get("failures", [])],
             time_split=data.get("time_split"),
             checked=[Checked(**c) for c in data.get("checked") or []],
+            program=data.get("program"),
         )
 
     def __repr__(self) -> str:

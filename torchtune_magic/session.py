@@ -221,6 +221,7 @@ class Session(Reporting):
         if obs.stopped_early:
             self._kernel = PART_RUN
         else:
+            self.workload.probe_was_complete()
             sys.stdout.write(printed.getvalue())
         if self._start_state is not None:
             self._cell_names = self._start_state.rebound()
@@ -300,6 +301,7 @@ class Session(Reporting):
         started = time.perf_counter()
         try:
             with (
+                self.workload.complete_run(),
                 counter.counting() if counter else nullcontext(),
                 fixes.combined_context(applied, self.workload.namespace, final=True),
             ):

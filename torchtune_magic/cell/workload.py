@@ -130,10 +130,11 @@ class Workload:
         registered in linecache so tracebacks show lines."""
         source = self.source if source is None else source
         code = self._compiled.get((source, loop_keys))
+        filename = self.filename if source == self.source else self.fixed_filename
+        # the text about to run is the one linecache shows (the fixed texts share a name)
+        lines = source.splitlines(keepends=True)
+        linecache.cache[filename] = (len(source), None, lines, filename)
         if code is None:
-            filename = self.filename if source == self.source else self.fixed_filename
-            lines = source.splitlines(keepends=True)
-            linecache.cache[filename] = (len(source), None, lines, filename)
             tree: Any = source
             if loop_keys:
                 tree = loops.instrumented(ast.parse(source, filename), loop_keys)
@@ -176,9 +177,20 @@ class Workload:
                 return source
         return None
 
+    def complete_run(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the code's one complete run (`Session.finish`): a cell has nothing
+        to do there; a script writes its files for real only then (`programs/script.py`)."""
+        return contextlib.nullcontext()
+
+    def probe_was_complete(self) -> None:
+        """The probe ran the code to its end, so it was the complete run (a script then
+        keeps the files it wrote)."""
+
     @property
     def fixed_filename(self) -> str:
-        return f"{self.filename[:-1]} with fixes>"
+        if self.filename.startswith("<"):
+            return f"{self.filename[:-1]} with fixes>"
+        return f"<{self.filename} with fixes>"  # a script's real path
 
     def cell_line(self) -> int | None:
         """The cell line executing right now (walks the stack to the cell's frame)."""

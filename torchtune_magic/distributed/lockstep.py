@@ -117,6 +117,13 @@ def joined() -> Ranks | None:
     )
 
 
+def launched_rank() -> int | None:
+    """This process's rank where torchrun launched it (from its environment, before any
+    process group exists), else None."""
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and os.environ.get("WORLD_SIZE") else None
+
+
 def launched_by_torchrun() -> bool:
     """Whether this process is one of several ranks torchrun started (its environment says
     so even before anything has joined the process group)."""

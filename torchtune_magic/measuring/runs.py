@@ -437,8 +437,12 @@ class Runs:
         for label in rounds.labels:
             figures.fill(results[label], rounds.measurement(label))
         if BASELINE not in rounds.labels and BASELINE in measuring.firsts:  # no round fitted:
-            only = measuring.firsts[BASELINE].total_s  # the first run is all there is
-            figures.fill(results[BASELINE], timing.Measurement(BASELINE, [only]))
+            # the first run is all there is: per step where runs are sampled (its whole
+            # time holds the code's setup and warm-up, which no per-step figure may carry)
+            first = measuring.firsts[BASELINE]
+            only = first.step_s if self.sample is not None else first.total_s
+            if only is not None:
+                figures.fill(results[BASELINE], timing.Measurement(BASELINE, [only]))
             for config in measuring.runnable[1:]:
                 guess = self._run_guess(measuring, config)
                 results[config.label].budget_to_tell_s = _budget_for(deadline, guess)

@@ -58,6 +58,7 @@ from ..cell.workload import synchronize
 from ..distributed import lockstep
 from ..kernel.fixes import Patcher
 from . import frameworks
+from .rebuilt import RebuiltSource
 
 if TYPE_CHECKING:
     from .observation import Observation, StepTrace
@@ -88,16 +89,28 @@ class StepSource:
     # dataset (batch), first parameter (optimizer step), module (forward), loop key (iteration)
     key: Any
     line: int | None = None  # the cell line the steps are issued from
+    # Objects the checked code builds on every run (a script's `main()` makes its dataset,
+    # model and optimizer anew): a new object of the probe's type whose step is issued from
+    # one of the probe's `lines` in the code's own files is the same step source
+    rebuilt: RebuiltSource | None = None
 
     def matches(self, obj: Any) -> bool:
         """Whether a loader iterator / optimizer / module / loop key belongs to this source."""
-        if self.unit == "batch":
-            return getattr(obj, "_dataset", None) is self.key
-        if self.unit == "optimizer step":
-            return first_parameter(obj) is self.key
         if self.unit == "iteration":
             return obj == self.key
-        return obj is self.key or getattr(obj, "_orig_mod", None) is self.key
+        if self.unit == "batch":
+            found = getattr(obj, "_dataset", None)
+        elif self.unit == "optimizer step":
+            found = obj
+            if first_parameter(obj) is self.key:
+                return True
+        else:
+            found = obj
+            if getattr(obj, "_orig_mod", None) is self.key:
+                return True
+        if found is self.key:
+            return True
+        return self.rebuilt is not None and self.rebuilt.matches(found)
 
     @property
     def loop_keys(self) -> frozenset[str]:
@@ -711,13 +724,20 @@ def source_of(obs: Observation, trace: StepTrace) -> StepSource:
     line = min(trace.lines) if trace.lines else None
     entry = obs.found.get(id(obj))
     label = entry.name if entry is not None else type(obj).__name__
-    if trace.unit == "batch":
-        return StepSource("batch", label, obj.dataset, line)
-    if trace.unit == "optimizer step":
-        return StepSource("optimizer step", label, first_parameter(obj), line)
     if trace.unit == "iteration":
         return StepSource("iteration", obj.describe(), obj.key, obj.line)
-    return StepSource("forward", label, obj, line)
+    stepped = obj.dataset if trace.unit == "batch" else obj
+    workload = obs.workload
+    # only for objects the code built itself: one bound before it is the same every run
+    built_here = not obs.lasting_locations(trace.obj) and not obs.lasting_locations(stepped)
+    rebuilt = None
+    if trace.lines and built_here:
+        rebuilt = RebuiltSource.of(stepped, workload, trace.lines)
+    if trace.unit == "batch":
+        return StepSource("batch", label, obj.dataset, line, rebuilt)
+    if trace.unit == "optimizer step":
+        return StepSource("optimizer step", label, first_parameter(obj), line, rebuilt)
+    return StepSource("forward", label, obj, line, rebuilt)
 
 
 def count_steps(obs: Observation, trace: StepTrace) -> StepCount:
