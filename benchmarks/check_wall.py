@@ -3,12 +3,12 @@ check wall <= the script's plain run + budget + 15 s (+ the verify runs).
 
     python benchmarks/check_wall.py [--budget S] [--json PATH]
 
-The public example script (tests/data/scripts/mnist_main.py: pytorch/examples' MNIST with
-synthetic data) at the issue's size, 94 batches of 64 in one epoch, three ways: as is
+A training script written as example scripts are (tests/data/scripts/train_digits.py) at
+the issue's size, 94 batches of 64 in one epoch, three ways: as is
 (its loading costs a few ms a batch), with items that wait 2 ms each as reads from slow
 storage do (a loader finding to measure), and that again with `--apply wins --verify`
 (bound: plus one plain run of the original and one of the patched script, taken as two
-plain runs). Each row: a plain run (`python mnist_main.py ARGS`), then `check` with the
+plain runs). Each row: a plain run (`python train_digits.py ARGS`), then `check` with the
 default budget, then a plain run again, as subprocesses from a scratch folder; the bound
 stands on the plain runs' mean (on a busy machine one plain run of the same script can
 take half as long again as the next). Prints a markdown table with what check said over
@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-EXAMPLE = ROOT / "tests" / "data" / "scripts" / "mnist_main.py"
+EXAMPLE = ROOT / "tests" / "data" / "scripts" / "train_digits.py"
 SIZE = ["--epochs", "1", "--test-size", "1000", "--log-interval", "20"]
 SLOW_READS = ["--read-latency-ms", "2"]
 ROWS = (
@@ -69,9 +69,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="check-wall-") as scratch:
         folder = Path(scratch)
-        shutil.copy(EXAMPLE, folder / "mnist_main.py")
+        shutil.copy(EXAMPLE, folder / "train_digits.py")
         for label, script_args, options in ROWS:
-            script = ["mnist_main.py", *size, *script_args]
+            script = ["train_digits.py", *size, *script_args]
             before_s, before_rc, _ = _timed([sys.executable, *script], folder)
             check = [sys.executable, "-m", "torchtune_magic", "check", "--budget", str(args.budget)]
             check_s, check_rc, said = _timed([*check, *options, *script], folder)

@@ -1,5 +1,5 @@
-"""`python -m torchtune_magic check SCRIPT ARGS` on a public example script (pytorch/examples'
-MNIST, with synthetic data: tests/data/scripts/mnist_main.py), as real subprocesses: the
+"""`python -m torchtune_magic check SCRIPT ARGS` on a training script written as example and
+course scripts are (tests/data/scripts/train_digits.py), as real subprocesses: the
 script's output appears once and equals a plain run's, its loader finding is measured, the
 patch applies with git and patch and the patched script prints the same results, the JSON
 report carries the program, and the same script checks under torchrun. Bad input: a
@@ -24,7 +24,7 @@ from torchtune_magic.programs import outputs
 from torchtune_magic.report import Report, load_schema
 
 TESTS = Path(__file__).resolve().parent
-EXAMPLE = TESTS / "data" / "scripts" / "mnist_main.py"
+EXAMPLE = TESTS / "data" / "scripts" / "train_digits.py"
 # a short run of the example whose batches wait for (simulated) storage: 30 batches of 16
 ARGS = [
     "--epochs", "1", "--batch-size", "16", "--train-size", "480", "--test-size", "100",
@@ -65,9 +65,9 @@ def _script_part(stdout: str) -> str:
 def example(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The example checked once (patch, verify, JSON, a checkpoint), and run plainly once."""
     folder = tmp_path_factory.mktemp("example")
-    shutil.copy(EXAMPLE, folder / "mnist_main.py")
+    shutil.copy(EXAMPLE, folder / "train_digits.py")
     plain = subprocess.run(
-        [sys.executable, "mnist_main.py", *ARGS],
+        [sys.executable, "train_digits.py", *ARGS],
         cwd=folder,
         capture_output=True,
         text=True,
@@ -75,11 +75,11 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> dict:
         env=_env(),
     )
     assert plain.returncode == 0, plain.stderr
-    (folder / "mnist_cnn.pt").unlink(missing_ok=True)
+    (folder / "digits_cnn.pt").unlink(missing_ok=True)
     options = ["--budget", "15", "--checks", "dataloader-workers"]
     options += ["--apply", "dataloader-workers", "--patch", "fix.diff", "--verify"]
     options += ["--json", "report.json", "--html", "report.html"]
-    checked = _check(folder, *options, "mnist_main.py", *ARGS, "--save-model")
+    checked = _check(folder, *options, "train_digits.py", *ARGS, "--save-model")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     report = json.loads((folder / "report.json").read_text())
     return {"folder": folder, "plain": plain, "checked": checked, "report": report}
@@ -91,7 +91,7 @@ def test_the_scripts_output_appears_once_as_a_plain_run_prints_it(example):
     assert compared.same, compared.difference
     assert printed.count("Test set:") == 1  # the measuring runs were silenced
     # the checkpoint the script saves at its end: written by its complete run
-    assert (example["folder"] / "mnist_cnn.pt").exists()
+    assert (example["folder"] / "digits_cnn.pt").exists()
 
 
 def test_the_loader_finding_is_measured_per_batch_and_over_the_whole_run(example):
@@ -110,7 +110,7 @@ def test_the_loader_finding_is_measured_per_batch_and_over_the_whole_run(example
 def test_the_patch_applies_and_the_patched_script_prints_the_same(example):
     folder = example["folder"]
     patch = (folder / "fix.diff").read_text()
-    assert patch.startswith("--- a/mnist_main.py\n+++ b/mnist_main.py\n")
+    assert patch.startswith("--- a/train_digits.py\n+++ b/train_digits.py\n")
     assert "num_workers=" in patch
     git = subprocess.run(["git", "apply", "--check", "fix.diff"], cwd=folder, capture_output=True)
     assert git.returncode == 0, git.stderr
@@ -127,7 +127,7 @@ def test_the_json_report_carries_the_program_and_loads(example):
     data = example["report"]
     jsonschema.validate(data, load_schema())
     program = data["program"]
-    assert program["script"] == "mnist_main.py" and program["args"] == [*ARGS, "--save-model"]
+    assert program["script"] == "train_digits.py" and program["args"] == [*ARGS, "--save-model"]
     assert program["patch"] == "fix.diff"
     assert Report.from_dict(data).program == program
     assert "dataloader-workers" in (example["folder"] / "report.html").read_text()

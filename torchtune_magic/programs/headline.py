@@ -28,11 +28,17 @@ def _s(seconds: float) -> str:
 
 
 def whole_run(report: Report) -> str | None:
-    """The script's whole run as its complete run measured it, and its steady step."""
+    """The script's whole run as its complete run measured it (where the instrumented
+    probe was that run, as the uninstrumented runs project it), and its steady step."""
     run, sampling, base = report.cell_run, report.sampling, report.baseline
-    if run is None or run.seconds is None or run.status not in ("complete", "probe"):
+    if run is None or run.status not in ("complete", "probe"):
         return None
-    text = f"the script's whole run: {_s(run.seconds)}"
+    if run.seconds is not None:
+        text = f"the script's whole run: {_s(run.seconds)}"
+    elif base.projected_cell_s:
+        text = f"the script's whole run: {_s(base.projected_cell_s)} (projected)"
+    else:
+        return None
     if run.steps:
         unit = sampling.unit if sampling else "step"
         text += f" ({run.steps} {_plural(unit)}"
