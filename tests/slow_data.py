@@ -53,7 +53,7 @@ class BusyDataset(Dataset):
         return self.x[index] + total * 0.0, self.y[index]
 
 
-class SlowImages(Dataset):
+class SlowImages(SlowDataset):
     """Small 3-channel images with class labels, each item costing `delay_s` of waiting
     (a sleep, as reading a file does): for a Conv→BatchNorm model trained in one cell."""
 
@@ -62,10 +62,3 @@ class SlowImages(Dataset):
         self.x = torch.randn(n, 3, size, size, generator=generator)
         self.y = torch.randint(0, classes, (n,), generator=generator)
         self.delay_s = delay_s
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(self.delay_s)
-        return self.x[index], self.y[index]
