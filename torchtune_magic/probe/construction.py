@@ -11,9 +11,10 @@ that class built there in this run (a loop building four convs at one line gives
 watches the same keys (`AtConstruction.watched`) and hands that run's objects to the fix
 before they are first used, undoing it when the run's context exits.
 
-Only modules are recognised (`torch.nn.Module.__init__` is wrapped while a recording or a
-watch is active): the fixes that need it act on a model's modules. Nothing is installed in
-runs without such a fix.
+Modules and optimizers are recognised (`torch.nn.Module.__init__` and
+`torch.optim.Optimizer.__init__` are wrapped while a recording or a watch is active): the
+fixes that need it act on a model's modules, and `amp`'s float16 form on the optimizer
+its GradScaler steps. Nothing is installed in runs without such a fix.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def _kind_of(obj: Any) -> str:
 
 
 class Constructions:
-    """The modules the checked code of `workload` built in one run, by `Key` (held weakly:
-    a module the run drops is not kept alive by this record)."""
+    """The modules and optimizers the checked code of `workload` built in one run, by `Key`
+    (held weakly: an object the run drops is not kept alive by this record)."""
 
     def __init__(self, workload: Workload):
         self.workload = workload
@@ -145,21 +146,25 @@ def _position(frame: FrameType) -> tuple[int, int | None]:
 def recording(
     workload: Workload, on_built: Callable[[Any, Key], None] | None = None
 ) -> Iterator[Constructions]:
-    """Record every module the checked code of `workload` builds while the block runs (and
-    call `on_built(module, key)` once the module's own `Module.__init__` has run: its hooks
-    can be registered, its parameters are not made yet). Undone exactly when it ends."""
+    """Record every module and optimizer the checked code of `workload` builds while the
+    block runs (and call `on_built(obj, key)` once the base class's `__init__` has run: a
+    module's hooks can be registered, its parameters are not made yet). Undone exactly
+    when it ends."""
     constructions = Constructions(workload)
-    original = torch.nn.Module.__init__
 
-    def recorded_init(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        original(module, *args, **kwargs)
-        key = constructions.built(module, sys._getframe(1))
-        if key is not None and on_built is not None:
-            on_built(module, key)
+    def recorded(original: Callable[..., None]) -> Callable[..., None]:
+        def recorded_init(obj: Any, *args: Any, **kwargs: Any) -> None:
+            original(obj, *args, **kwargs)
+            key = constructions.built(obj, sys._getframe(1))
+            if key is not None and on_built is not None:
+                on_built(obj, key)
+
+        return recorded_init
 
     patcher = Patcher()
     try:
-        patcher.setattr(torch.nn.Module, "__init__", recorded_init)
+        for base in (torch.nn.Module, torch.optim.Optimizer):
+            patcher.setattr(base, "__init__", recorded(base.__init__))
         yield constructions
     finally:
         patcher.undo()
@@ -171,7 +176,12 @@ class AtConstruction:
     that runs before any of them is used: the model holding them) and how to make the
     fix for a run's objects (given in the order of `keys`). `seen` are the probe's own
     objects at those keys, held weakly: where the probe was the cell's one complete run,
-    they are the kernel's, and `--apply` fixes them (`keep_on_seen`)."""
+    they are the kernel's, and `--apply` fixes them (`keep_on_seen`).
+
+    With `on_build`, the fix is applied as the trigger (module or optimizer: the last of
+    the objects the probe saw built) is constructed instead, for a fix that needs none of
+    their state: a module's first call has already read its `forward` when its forward
+    pre-hooks run, so a fix replacing `forward` must come before it."""
 
     def __init__(
         self,
@@ -180,8 +190,10 @@ class AtConstruction:
         trigger: Key,
         make: Callable[[list[Any]], Fix],
         seen: Sequence[Any],
+        on_build: bool = False,
     ):
         self.workload, self.keys, self.trigger, self.make = workload, list(keys), trigger, make
+        self.on_build = on_build
         self.applied_runs = 0  # runs in which the fix reached its objects
         self._seen = [weakref.ref(obj) for obj in seen]
 
@@ -204,13 +216,16 @@ class AtConstruction:
     ) -> Iterator[None]:
         """One run: at the trigger module's construction a forward pre-hook is registered;
         its first call makes the fix for this run's objects and applies it (the hook goes
-        as it fires). Everything is undone, in reverse, when the block ends; with `kept`
-        (the cell's complete run under `--apply`), what the fix did to the run's objects
-        stays, its undo appended there."""
+        as it fires; `on_build`: the fix is applied then and there). Everything is undone,
+        in reverse, when the block ends; with `kept` (the cell's complete run under
+        `--apply`), what the fix did to the run's objects stays, its undo appended there."""
         patcher = Patcher()
 
-        def on_built(module: torch.nn.Module, key: Key) -> None:
+        def on_built(module: Any, key: Key) -> None:
             if key != self.trigger:
+                return
+            if self.on_build:
+                self._fix_run(patcher, namespace, constructions)
                 return
             handles: list[Any] = []
 
@@ -241,12 +256,9 @@ class AtConstruction:
         """Apply the fix to this run's objects, then give this first call what the
         forward pre-hooks the fix added to `module` make of its inputs (hooks added while
         the module's hooks run are first called on its next call)."""
-        objects = [constructions.get(key) for key in self.keys]
-        if any(obj is None for obj in objects):
-            return None  # this run built other objects than the probe's: left as it is
         before = set(module._forward_pre_hooks)
-        self.make(objects).patch(patcher, namespace)
-        self.applied_runs += 1
+        if not self._fix_run(patcher, namespace, constructions):
+            return None
         changed = False
         for hook_id, hook in list(module._forward_pre_hooks.items()):
             if hook_id in before or hook_id in module._forward_pre_hooks_with_kwargs:
@@ -256,6 +268,18 @@ class AtConstruction:
                 args = result if isinstance(result, tuple) else (result,)
                 changed = True
         return args if changed else None
+
+    def _fix_run(
+        self, patcher: Patcher, namespace: dict[str, Any], constructions: Constructions
+    ) -> bool:
+        """Make and apply the fix for this run's objects; False where the run has not built
+        them all (other objects than the probe's: left as they are)."""
+        objects = [constructions.get(key) for key in self.keys]
+        if any(obj is None for obj in objects):
+            return False
+        self.make(objects).patch(patcher, namespace)
+        self.applied_runs += 1
+        return True
 
 
 class BuiltObjectsFix(Fix):
