@@ -17,6 +17,7 @@ import ast
 import contextlib
 import functools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,8 @@ from ..cell import codeedit, history
 from ..cell.history import CallEdit
 from ..distributed import lockstep
 from ..kernel import discovery
-from ..kernel.fixes import Fix, Patcher, patched
-from ..probe import cpu, frameworks
+from ..kernel.fixes import Fix, Patcher
+from ..probe import construction, cpu, frameworks
 from ..report import FORWARD, CodeChange, count
 from . import autocast_edit
 from .base import Check, Detection
@@ -176,7 +177,7 @@ def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype) -> Any
     return forward_under_autocast
 
 
-class AmpFix(Fix):
+class AmpFix(construction.BuiltObjectsFix):
     """Autocast around the forward passes and the loss only, as the code change puts it.
 
     Where the change edits the cell, each run executes the edited cell (`with
@@ -184,9 +185,13 @@ class AmpFix(Fix):
     backward and the optimizer step after it). Where the forward and the loss run in code
     the cell calls (a framework's loop, a function from an earlier cell), each model's
     `forward` runs under autocast while the fix is applied, as accelerate's mixed precision
-    does. With float16 in a training cell, a fresh `GradScaler` per run scales
+    does; a model the checked code builds gets it from its first call in every run
+    (`built`). With float16 in a training cell, a fresh `GradScaler` per run scales
     `loss.backward()` and routes every optimizer the cell can reach (found at run time, so
-    a rebuilt one counts) through `scaler.step` and `scaler.update`; all is undone after."""
+    a rebuilt one counts) and the one the run builds (`optimizers` of the fix `built`
+    makes) through `scaler.step` and `scaler.update`; all is undone after the run (under
+    `--apply` the built models keep autocast until the fix is undone, their optimizer is
+    not left scaled: no later backward outside the cell's runs is)."""
 
     check_id = "amp"
     tolerance = AMP_TOLERANCE
@@ -202,6 +207,8 @@ class AmpFix(Fix):
         source: str | None = None,
         fixed: str | None = None,
         models: tuple[tuple[nn.Module, str], ...] = (),
+        optimizers: tuple[torch.optim.Optimizer, ...] = (),
+        scaling: AmpFix | None = None,
     ):
         super().__init__()
         self.device_type = device_type
@@ -210,11 +217,17 @@ class AmpFix(Fix):
         self.source = source
         self.fixed = fixed
         self.models = models  # (module, its path) whose forward runs under autocast
+        # optimizers a run built, stepped through the GradScaler of `scaling`'s current run
+        self.optimizers, self.scaling = optimizers, scaling
+        self._run: tuple[Patcher, Any] | None = None  # a scaled run's (patcher, GradScaler)
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
         for module, path in self.models:
             wrapped = _autocast_forward(module.forward, self.device_type, self.compute_dtype)
             patcher.assign(module, "forward", wrapped, f"{path}.forward")
+        run = self.scaling._run if self.scaling is not None else None
+        if run is not None:  # undone with the run, even where the models keep autocast
+            self._scale(run[0], run[1], namespace, self.optimizers)
 
     def edit_source(self, source: str) -> str:
         if self.fixed is None or self.source is None:
@@ -224,13 +237,38 @@ class AmpFix(Fix):
         return codeedit.combine(self.source, [source, self.fixed])  # after others' edits
 
     def run_context(self, namespace: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-        if not self.scaled:
-            return contextlib.nullcontext()
-        scaler = torch.amp.GradScaler(self.device_type)
-        return patched(lambda patcher: self._scale(patcher, scaler, namespace))
+        return self._run_with(namespace, None)
+
+    def final_run_context(
+        self, namespace: dict[str, Any]
+    ) -> contextlib.AbstractContextManager[Any]:
+        return self._run_with(namespace, self.kept)
+
+    @contextlib.contextmanager
+    def _run_with(self, namespace: dict[str, Any], kept: list[Patcher] | None) -> Iterator[None]:
+        """One run: its GradScaler (float16 training), then the watch on the objects the
+        run builds (`kept`: what it did to them stays, as `BuiltObjectsFix` keeps it). A run
+        building its optimizer scales from when the fix reaches it: a scaled backward
+        before an optimizer that unscales would wreck the weights."""
+        with contextlib.ExitStack() as stack:
+            if self.scaled:
+                scaler, patcher = torch.amp.GradScaler(self.device_type), Patcher()
+                stack.callback(patcher.undo)
+                if self.built is None:
+                    self._scale(patcher, scaler, namespace)
+                else:  # by the `patch` of the fix `built` makes for the run's objects
+                    self._run = (patcher, scaler)
+                    stack.callback(setattr, self, "_run", None)
+            if self.built is not None:
+                stack.enter_context(self.built.watched(namespace, kept))
+            yield
 
     @staticmethod
-    def _scale(patcher: Patcher, scaler: Any, namespace: dict[str, Any]) -> None:
+    def _scale(
+        patcher: Patcher, scaler: Any, namespace: dict[str, Any], built: Sequence[Any] = ()
+    ) -> None:
+        """Scale the loss of every scalar backward and step `built` and the optimizers the
+        namespace reaches now through `scaler`, until `patcher` is undone."""
         backward = torch.Tensor.backward
 
         def scaled_backward(loss: torch.Tensor, gradient: Any = None, *args: Any, **kw: Any):
@@ -240,8 +278,9 @@ class AmpFix(Fix):
 
         patcher.setattr(torch.Tensor, "backward", scaled_backward)
         found = discovery.of_type(discovery.walk(namespace), torch.optim.Optimizer)
-        for entry in found:
-            patcher.setattr(entry.obj, "step", _scaled_step(entry.obj, scaler))
+        optimizers = {id(opt): opt for opt in [*built, *(entry.obj for entry in found)]}
+        for optimizer in optimizers.values():
+            patcher.setattr(optimizer, "step", _scaled_step(optimizer, scaler))
 
 
 @dataclass
@@ -313,11 +352,6 @@ class AmpCheck(Check):
         details += f"; autocast would run them in {name}" + (" with a GradScaler" if scaled else "")
         change = amp_change(obs, uses, dtype)
         blocked = blocked or change.blocked
-        if blocked:
-            details += f"; not applied live: {blocked}"
-        elif change.run is None and not change.models:
-            blocked = "the models are built by the cell itself, out of a live fix's reach"
-            details += f"; not applied live: {blocked}"
         fix = None
         if not blocked:
             fix = AmpFix(
@@ -328,8 +362,13 @@ class AmpCheck(Check):
                 fixed=change.run,
                 models=change.models,
             )
+            if change.run is None:  # the forward runs outside the cell's text
+                blocked = _at_construction(obs, uses, change, fix)
             fix.seen = obs.places_of(*(module for module, _ in change.models))
             fix.bounded_by(share)
+        if blocked:
+            fix = None
+            details += f"; not applied live: {blocked}"
         source = obs.workload.source
         shown = change.shown or source
         names = sorted({obs.module_path(use.module) for use in uses})
@@ -350,6 +389,56 @@ class AmpCheck(Check):
                 change.earlier,
             )
         ]
+
+
+def _at_construction(
+    obs: Observation, uses: list[ModuleUse], change: _AmpChange, fix: AmpFix
+) -> str | None:
+    """Give `fix` the models the checked code builds (each run's, from its first call,
+    recognised by where and in which order the run builds them) and, for float16
+    training, the optimizer the run builds, stepped through that run's GradScaler; the
+    reason it cannot where a run's model or optimizer is made without a constructor call
+    in the checked code to follow (None: nothing of the kind, or all reached)."""
+    earlier = {id(module) for module, _ in change.models}
+    built = [
+        model
+        for model in _models(obs, uses)
+        if id(model) not in earlier and obs.built_by_cell(model)
+    ]
+    optimizers = [opt for opt in obs.optimizers if fix.scaled and id(opt) not in obs.preexisting]
+    if not built:
+        if optimizers:  # no model of the run's to apply it at before the first step
+            return (
+                "the cell builds the optimizer of a model from an earlier cell: create the "
+                "GradScaler and step through it by hand"
+            )
+        return None if change.models else "no model the cell calls is reached"
+    keys = [obs.constructed.get(id(obj)) for obj in [*built, *optimizers]]
+    if any(key is None for key in keys):
+        return f"the models or their optimizer are {construction.UNREACHED}"
+    labels = [obs.module_path(model) for model in built]
+
+    def make(objects: list[Any]) -> AmpFix:
+        """The fix for one run's models and optimizer, scaled by `fix`'s current run."""
+        models = tuple(zip(objects[: len(labels)], labels, strict=True))
+        optimizers = tuple(objects[len(labels) :])
+        return AmpFix(
+            fix.device_type,
+            fix.compute_dtype,
+            False,
+            models=models,
+            optimizers=optimizers,
+            scaling=fix,
+        )
+
+    # applied as the last of them is built: the models' first calls already autocast
+    order = {ident: place for place, ident in enumerate(obs.constructed)}
+    last = max([*built, *optimizers], key=lambda obj: order[id(obj)])
+    found = [key for key in keys if key is not None]
+    fix.built = construction.AtConstruction(
+        obs.workload, found, obs.constructed[id(last)], make, [*built, *optimizers], on_build=True
+    )
+    return None
 
 
 def amp_change(obs: Observation, uses: list[ModuleUse], dtype: torch.dtype) -> _AmpChange:
