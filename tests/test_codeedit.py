@@ -53,3 +53,20 @@ def test_combine_applies_an_edit_inside_a_block_another_edit_reindents():
     assert codeedit.combine(source, [unwrapped, flipped]) == (
         "for i in r:\n    zero(True)\n    step()\n"
     )
+
+
+def test_a_keyword_renamed_takes_the_place_of_the_old_one_or_is_appended():
+    """`sampler=` in the place of `shuffle=` (a DataLoader refuses both), the call's layout
+    and comments kept; appended, one argument per line, where the call has no `shuffle=`."""
+    source = (
+        "a = DataLoader(ds, batch_size=16, shuffle=True)  # train\n"
+        "b = DataLoader(\n    ds,\n    batch_size=4,\n)\n"
+    )
+    new = "DistributedSampler(ds)"
+    first = codeedit.with_keyword_renamed(source, 1, {"DataLoader"}, "shuffle", "sampler", new)
+    assert (
+        first.splitlines()[0]
+        == "a = DataLoader(ds, batch_size=16, sampler=DistributedSampler(ds))  # train"
+    )
+    second = codeedit.with_keyword_renamed(source, 2, {"DataLoader"}, "shuffle", "sampler", new)
+    assert second.endswith("    batch_size=4,\n    sampler=DistributedSampler(ds),\n)\n")

@@ -580,6 +580,35 @@ def with_keywords(
     return tree.code()
 
 
+def with_keyword_renamed(
+    source: str, line: int, names: set[str], old: str, new: str, text: str
+) -> str:
+    """The text with the call of `names` at `line` given `new=text` in the place of its
+    `old=` argument (a keyword that must go when `new` comes, as `shuffle=` does when
+    `sampler=` comes), or appended where it has none (`with_keywords`)."""
+    import libcst as cst
+
+    try:
+        call = call_at(ast.parse(source), line, names)
+    except SyntaxError as error:
+        raise EditError(f"the cell does not parse: {error.msg}") from error
+    if call is None or not any(keyword.arg == old for keyword in call.keywords):
+        return with_keywords(source, line, names, {new: text})
+    tree = Tree(source)
+
+    def renamed(node: Any) -> Any:
+        args = [
+            arg.with_changes(keyword=cst.Name(new), value=expression(text))
+            if arg.keyword is not None and arg.keyword.value == old
+            else arg
+            for arg in node.args
+        ]
+        return node.with_changes(args=args)
+
+    tree.nodes[tree.node_for(call)] = renamed
+    return tree.code()
+
+
 def _with_arguments(call: Any, values: dict[str, str], positional: dict[str, int]) -> Any:
     """The libcst call with these keyword values, replaced where given, else appended."""
     import libcst as cst
