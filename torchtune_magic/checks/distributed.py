@@ -16,26 +16,32 @@ count starts with the run, as the cell's micro-batches do) and puts it back afte
 
 A DataLoader without a DistributedSampler gives every rank every batch: N ranks do N times
 one epoch's work for one epoch's worth of data. The live fix rebinds the loader rebuilt
-with a DistributedSampler (the loader checks' plan, so undo puts back the user's own).
+with a DistributedSampler (the loader checks' plan, so undo puts back the user's own); a
+loader the cell builds, anew in every run, gets the sampler in its constructor call in the
+cell text, which every run with the fix executes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
 
+from ..cell import codeedit
 from ..kernel.fixes import Fix, Patcher
 from ..report import BACKWARD, CodeChange, count
 from .base import Check, Detection, size_text
+from .loader.edits import class_names
 from .loader.rebuild import plan_for
 from .loader.target import locate
 
 if TYPE_CHECKING:
-    from ..probe.observation import Observation, SyncedForwards
+    import ast
+
+    from ..probe.observation import LoaderUse, Observation, SyncedForwards
     from .loader.rebuild import LoaderPlan
 
 GUIDE = "Distributed optimizations"
@@ -188,21 +194,37 @@ def _no_sync_form(name: str, accumulate: int) -> str:
 
 class DistributedSamplerFix(Fix):
     """The loader rebuilt with a DistributedSampler over its dataset (its other settings
-    kept), rebound wherever the notebook holds it; undo rebinds the user's own loader."""
+    kept), rebound wherever the notebook holds it; undo rebinds the user's own loader. A
+    loader the cell builds gets the sampler in its constructor call instead (`cell_edit`,
+    no plan): each run with the fix builds it so."""
 
     check_id = "distributed-sampler"
 
-    def __init__(self, plan: LoaderPlan, sampler: DistributedSampler):
+    def __init__(
+        self,
+        plan: LoaderPlan | None,
+        sampler: DistributedSampler | None,
+        cell_edit: Callable[[str], str] | None = None,
+    ):
         super().__init__()
-        self.plan, self.sampler = plan, sampler
-        self.steps_share = 1 / sampler.num_replicas
+        self.plan, self.sampler, self.cell_edit = plan, sampler, cell_edit
+        replicas = sampler.num_replicas if sampler else torch.distributed.get_world_size()
+        self.steps_share = 1 / replicas
 
     def patch(self, patcher: Patcher, namespace: dict[str, Any]) -> None:
+        plan = self.plan
+        if plan is None:
+            return
         overrides = {"sampler": self.sampler}
         patcher.call(
-            lambda: self.plan.want(self, overrides, namespace),
-            lambda: self.plan.drop(self, namespace, patcher.notes),
+            lambda: plan.want(self, overrides, namespace),
+            lambda: plan.drop(self, namespace, patcher.notes),
         )
+
+    def edit_source(self, source: str) -> str:
+        if self.cell_edit is None:
+            return source
+        return codeedit.edited(source, self.cell_edit)[0]  # a cell changed past editing
 
 
 class DistributedSamplerCheck(DistributedCheck):
@@ -239,15 +261,20 @@ class DistributedSamplerCheck(DistributedCheck):
                 "shuffling, call `sampler.set_epoch(epoch)` at the start of every epoch, or "
                 "each epoch repeats the first one's order"
             ).replace("{world}", str(world))
-            fix = None
-            if target.unreachable is None and target.locations:
+            fix, fixed, reason = None, None, target.unreachable or "not reachable"
+            if target.cell_call is not None:  # built by each run: its call in the cell
+                fixed, cell_edit, reason = _cell_form(obs, use, target.cell_call, shuffle)
+                if cell_edit is not None:
+                    fix = DistributedSamplerFix(None, None, cell_edit)
+            elif target.unreachable is None and target.locations:
                 distributed_sampler = DistributedSampler(
                     loader.dataset, num_replicas=world, rank=rank, shuffle=shuffle
                 )
                 plan = plan_for(loader, target.locations)
                 fix = DistributedSamplerFix(plan, distributed_sampler)
-            else:
-                details += f"; not applied live: {target.unreachable or 'not reachable'}"
+            if fix is None:
+                details += f"; not applied live: {reason}"
+            source = obs.workload.source
             line = min(use.lines) if use.lines else None
             found.append(
                 Detection(
@@ -258,12 +285,51 @@ class DistributedSamplerCheck(DistributedCheck):
                         fixable=fix is not None,
                         line=line,
                         caveat=caveat,
-                        code_change=CodeChange(elsewhere=[_sampler_form(target.name, shuffle)]),
+                        code_change=CodeChange(
+                            codeedit.unified_diff(source, fixed) if fixed else "",
+                            [] if fixed else [_sampler_form(target.name, shuffle)],
+                        ),
                     ),
                     fix,
+                    fixed,
                 )
             )
         return found
+
+
+def _cell_form(
+    obs: Observation, use: LoaderUse, call: ast.Call, shuffle: bool
+) -> tuple[str | None, Callable[[str], str] | None, str]:
+    """The cell with the loader's constructor call given
+    `sampler=torch.utils.data.DistributedSampler(dataset, shuffle=…)` (in the place of its
+    `shuffle=`, which a sampler excludes), and the edit making it; (None, None, why not)
+    where the cell cannot say it."""
+    dataset = call.args[0] if call.args else None
+    dataset = next((k.value for k in call.keywords if k.arg == "dataset"), dataset)
+    name = codeedit.dotted_name(dataset) if dataset is not None else ""
+    if not name:
+        return (
+            None,
+            None,
+            (
+                "the dataset is made inside the DataLoader call, so the sampler has no name for "
+                "it: bind it to a name first"
+            ),
+        )
+    if len(call.args) > 2 or any(k.arg is None for k in call.keywords):
+        return None, None, "the call gives shuffle or a sampler by position or by **kwargs"
+    line, names = call.lineno, class_names(use.loader)
+    sampler = f"torch.utils.data.DistributedSampler({name}, shuffle={shuffle})"
+
+    def cell_edit(text: str) -> str:
+        return codeedit.with_keyword_renamed(text, line, names, "shuffle", "sampler", sampler)
+
+    fixed, notes = codeedit.edited(obs.workload.source, cell_edit)
+    if notes:
+        return None, None, notes[0]
+    if obs.workload.namespace.get("torch") is not torch:
+        return fixed, None, "`torch` is not the torch module in the cell's namespace"
+    return fixed, cell_edit, ""
 
 
 def _sampler_form(name: str, shuffle: bool) -> str:
