@@ -194,6 +194,12 @@ def test_bad_paths_get_a_clear_error(scripts, capsys, monkeypatch):
     (scripts / "notes.txt").write_text("not python")
     assert cli.main(["check", "notes.txt"]) == 2
     assert "notes.txt is not a Python script" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # ARGS are optional: only SCRIPT is asked for
+        cli.main(["check"])
+    assert usage.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith("the following arguments are required: SCRIPT")
+    assert cli.main(["check", "--skip", "no-such-check", "raises.py"]) == 2
+    assert "--skip: 1 unknown check id: no-such-check" in capsys.readouterr().err
 
 
 def test_a_script_that_raises_shows_its_own_traceback_and_no_report(scripts):

@@ -273,6 +273,15 @@ def test_a_path_that_is_no_notebook_is_refused_before_anything_runs(
     assert not (tmp_path / "out.ipynb").exists() and not (tmp_path / "s.json").exists()
 
 
+def test_an_unknown_check_id_is_refused_before_the_notebook_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _notebook(tmp_path, "open('ran.txt', 'w').write('ran')")
+    status, _, err = scan_here(tmp_path, capsys, monkeypatch, path.name, "--checks", "amp,nope")
+    assert status == 2 and "--checks: 1 unknown check id: nope" in err
+    assert not (tmp_path / "ran.txt").exists()
+
+
 def test_cells_that_are_not_code_cells_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

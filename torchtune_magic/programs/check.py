@@ -83,14 +83,7 @@ def run(args: argparse.Namespace) -> int:
     """The `check` command (see the module docstring); returns the exit status."""
     try:
         script = Script.load(args.script, args.args)
-        options = Options.build(
-            checks=args.checks,
-            skip=args.skip,
-            budget=args.budget,
-            quick=args.quick,
-            apply=args.apply,
-            memory=args.memory,
-        )
+        options = Options.from_args(args, handled_by_caller=("json",))
         if args.verify_runs < 1:
             raise OptionsError(f"--verify-runs must be at least 1, got {args.verify_runs}")
     except (ScriptInputError, OptionsError) as error:
@@ -256,5 +249,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--verify-runs", type=int, default=1, metavar="N", help="plain runs of each (default 1)"
     )
     check.add_argument("script", metavar="SCRIPT", help="the .py file to run as __main__")
-    check.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
+    rest = check.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments (optional)"
+    )
+    rest.required = False  # argparse marks a REMAINDER positional required: "required: ARGS"
     check.set_defaults(handler=run)
