@@ -302,6 +302,19 @@ def test_a_notebook_whose_kernel_is_missing_says_so_and_writes_nothing(
     assert not (tmp_path / "s.json").exists()
 
 
+def test_run_and_scan_say_a_missing_kernel_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _notebook(tmp_path, "print(1)")
+    said = []
+    for command in ("run", "scan"):
+        status = main([command, str(path), "--kernel", "no-such-kernel"])
+        assert status == 1
+        said.append(capsys.readouterr().err.strip().removeprefix("error: "))
+    assert said[0] == said[1]
+    assert said[0].startswith("no Jupyter kernel named 'no-such-kernel': install ipykernel")
+
+
 def test_the_copy_carries_only_winning_fixes_with_identical_results() -> None:
     """The writer on a real report of the tutorial's training cell (tests/data, recorded by
     a scan at --budget 40 on this machine, where no fix settled): read as if the loader fix
