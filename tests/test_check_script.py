@@ -105,6 +105,12 @@ def test_the_loader_finding_is_measured_per_batch_and_over_the_whole_run(example
     assert "where the time went" in stdout and "data wait" in stdout
     assert "the script's whole run: " in stdout
     assert "dataloader-workers: " in stdout and " per batch (" in stdout
+    # the report speaks of the script it checked, in its text and in the report's own diffs
+    report_text = stdout.split(f"\n{REPORT_HEAD}", 1)[1]
+    assert "the script's complete run: " in report_text or "the script ran once" in report_text
+    assert "cell's" not in report_text and "cell line" not in report_text, report_text
+    diff = next(f for f in report["findings"] if f["id"] == "dataloader-workers")
+    assert diff["code_change"]["diff"].startswith("--- train_digits.py\n")
 
 
 def test_the_patch_applies_and_the_patched_script_prints_the_same(example):

@@ -172,8 +172,9 @@ def _report(
             if not verified.same:
                 status = status or 1
     report.program = program
+    _speak_of_the_script(report, script)
     print()
-    print(_with_headline(_script_words(text.render(report), script), report, workload))
+    print(_with_headline(text.render(report), report, workload))
     for line in after:
         print(line)
     if args.json:
@@ -184,23 +185,6 @@ def _report(
         path.write_text(f"<!doctype html><meta charset='utf-8'>{html.render(report)}")
         print(f"HTML report written to {path}")
     return status
-
-
-# The text renderer speaks of a cell; a script's report says "script" where it means the
-# checked code (the report's JSON keeps its v1 field names)
-_WORDS = (
-    ("the cell's complete run", "the script's complete run"),
-    ("whole cell", "whole script"),
-    ("cell line ", "line "),
-    ("the cell ran once", "the script ran once"),
-)
-
-
-def _script_words(rendered: str, script: Script) -> str:
-    rendered = rendered.replace("%%perfcheck report", f"perfcheck report: {script.path}", 1)
-    for cell, program in _WORDS:
-        rendered = rendered.replace(cell, program)
-    return rendered
 
 
 def _with_headline(rendered: str, report: Report, workload: ScriptWorkload) -> str:
@@ -214,6 +198,23 @@ def _with_headline(rendered: str, report: Report, workload: ScriptWorkload) -> s
     if fixes:
         lines += ["over the whole run:", *(f"  {line}" for line in fixes)]
     return "\n".join(lines) + blank + findings
+
+
+def _speak_of_the_script(report: Report, script: Script) -> None:
+    """The checks word their findings for a cell ("at cell line 84", a diff of "cell"); a
+    script's report, its JSON included, names the script's lines and the script."""
+    cell = "--- cell\n+++ cell (optimized)\n"
+    named = f"--- {script.path}\n+++ {script.path} (optimized)\n"
+    for finding in report.findings:
+        for name in ("title", "evidence", "where", "details", "caveat"):
+            text = getattr(finding, name)
+            if text:
+                setattr(finding, name, text.replace("cell line ", "line "))
+        change = finding.code_change
+        if change is not None and change.diff.startswith(cell):
+            change.diff = named + change.diff.removeprefix(cell)
+    if report.sampling is not None and report.sampling.steps_detail:
+        report.sampling.steps_detail = report.sampling.steps_detail.replace("cell line ", "line ")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
