@@ -105,6 +105,12 @@ def test_the_loader_finding_is_measured_per_batch_and_over_the_whole_run(example
     assert "where the time went" in stdout and "data wait" in stdout
     assert "the script's whole run: " in stdout
     assert "dataloader-workers: " in stdout and " per batch (" in stdout
+    # the report speaks of the script it checked, in its text and in the report's own diffs
+    report_text = stdout.split(f"\n{REPORT_HEAD}", 1)[1]
+    assert "the script's complete run: " in report_text or "the script ran once" in report_text
+    assert "cell's" not in report_text and "cell line" not in report_text, report_text
+    diff = next(f for f in report["findings"] if f["id"] == "dataloader-workers")
+    assert diff["code_change"]["diff"].startswith("--- train_digits.py\n")
 
 
 def test_the_patch_applies_and_the_patched_script_prints_the_same(example):
@@ -194,6 +200,12 @@ def test_bad_paths_get_a_clear_error(scripts, capsys, monkeypatch):
     (scripts / "notes.txt").write_text("not python")
     assert cli.main(["check", "notes.txt"]) == 2
     assert "notes.txt is not a Python script" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # ARGS are optional: only SCRIPT is asked for
+        cli.main(["check"])
+    assert usage.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith("the following arguments are required: SCRIPT")
+    assert cli.main(["check", "--skip", "no-such-check", "raises.py"]) == 2
+    assert "--skip: 1 unknown check id: no-such-check" in capsys.readouterr().err
 
 
 def test_a_script_that_raises_shows_its_own_traceback_and_no_report(scripts):

@@ -135,6 +135,10 @@ def test_apply_leaves_the_fix_on_the_model_the_complete_run_built_until_reverted
     model = namespace["model"]
     assert model[0].bias is None and model[3].bias is None
     assert "0.bias" in model.state_dict()  # presented as built while the fix is on
+    with contextlib.redirect_stdout(io.StringIO()):
+        session.measure(budget_s=2.0)  # Re-time: the fix lifted for its runs, then back on
+    assert session.applied_ids == ["conv-bias-bn"]
+    assert namespace["model"] is model and model[0].bias is None and model[3].bias is None
     session.revert_all()
     assert isinstance(model[0].bias, nn.Parameter) and not model[0]._state_dict_hooks
     assert _inits() == inits

@@ -273,6 +273,15 @@ def test_a_path_that_is_no_notebook_is_refused_before_anything_runs(
     assert not (tmp_path / "out.ipynb").exists() and not (tmp_path / "s.json").exists()
 
 
+def test_an_unknown_check_id_is_refused_before_the_notebook_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _notebook(tmp_path, "open('ran.txt', 'w').write('ran')")
+    status, _, err = scan_here(tmp_path, capsys, monkeypatch, path.name, "--checks", "amp,nope")
+    assert status == 2 and "--checks: 1 unknown check id: nope" in err
+    assert not (tmp_path / "ran.txt").exists()
+
+
 def test_cells_that_are_not_code_cells_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -291,6 +300,19 @@ def test_a_notebook_whose_kernel_is_missing_says_so_and_writes_nothing(
     status, _, err = scan_here(tmp_path, capsys, monkeypatch, path.name, "--json", "s.json")
     assert status == 1 and "no Jupyter kernel named 'no-such-kernel'" in err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_run_and_scan_say_a_missing_kernel_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _notebook(tmp_path, "print(1)")
+    said = []
+    for command in ("run", "scan"):
+        status = main([command, str(path), "--kernel", "no-such-kernel"])
+        assert status == 1
+        said.append(capsys.readouterr().err.strip().removeprefix("error: "))
+    assert said[0] == said[1]
+    assert said[0].startswith("no Jupyter kernel named 'no-such-kernel': install ipykernel")
 
 
 def test_the_copy_carries_only_winning_fixes_with_identical_results() -> None:

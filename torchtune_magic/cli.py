@@ -99,9 +99,15 @@ def _at_least_one(text: str) -> int:
 def _scan(args: argparse.Namespace) -> int:
     """Exit status: 0, or 1 where a cell raised (and the scan stopped), the notebook could
     not run, or the verify found a difference; 2 for a path that is no notebook."""
+    from .options import Options, OptionsError
     from .programs import scan, scan_render
     from .programs.execute import ExecuteError
 
+    try:  # the magic validates them in each checked cell too: refused here, nothing has run
+        Options.from_args(args, handled_by_caller=("json",))
+    except OptionsError as error:
+        print(f"python -m torchtune_magic scan: error: {error}", file=sys.stderr)
+        return 2
     options = scan.ScanOptions(
         **{k: getattr(args, k) for k in ("cells", "budget", "checks", "skip", "quick", "memory")},
         write=args.write,

@@ -140,20 +140,7 @@ class PerfcheckMagics(Magics):
             unexpected = count(len(args.command), "unexpected argument")
             raise UsageError(f"%%perfcheck: {unexpected}: {' '.join(args.command)}")
         try:
-            options = Options.build(
-                checks=args.checks,
-                skip=args.skip,
-                budget=args.budget,
-                quick=args.quick,
-                apply=args.apply,
-                json=args.json,
-                quiet=args.quiet,
-                no_widget=args.no_widget,
-                no_restore=args.no_restore,
-                device=args.device,
-                memory=args.memory,
-                no_finish=args.no_finish,
-            )
+            options = Options.from_args(args)
         except OptionsError as error:
             raise UsageError(f"%%perfcheck: {error}") from None
         try:

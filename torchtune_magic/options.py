@@ -5,6 +5,8 @@ Bad input gets a clear `OptionsError` before anything runs, so nothing is lost.
 
 from __future__ import annotations
 
+import argparse
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +99,16 @@ class Options:
             memory=memory,
             finish=not no_finish,
         )
+
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, *, handled_by_caller: tuple[str, ...] = ()
+    ) -> Options:
+        """Validated options from parsed flags: the magic's, `check`'s or `scan`'s, whose
+        flags share these names; a flag a command does not have, or one it handles itself
+        (`check` writes its own `--json`, with the script in it), takes its default."""
+        names = [n for n in inspect.signature(cls.build).parameters if n not in handled_by_caller]
+        return cls.build(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
     def wants(self, check_id: str) -> bool:
         return (not self.checks or check_id in self.checks) and check_id not in self.skip

@@ -30,6 +30,31 @@ class RunError(Exception):
     """The notebook could not be run to the end; the message says what to do."""
 
 
+@contextmanager
+def kernel_failures(
+    error: type[Exception], *, timeout: float, kernel_name: str, where: str = ""
+) -> Iterator[None]:
+    """nbclient's failures other than a cell's own error (no such kernel, a cell past its
+    timeout, a kernel that died) as `error`, in words that say what to do: `run` and
+    `scan` say them alike. `where` ("nb.ipynb: ") goes before the timeout and the death."""
+    from jupyter_client.kernelspec import NoSuchKernel
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    try:
+        yield
+    except NoSuchKernel:
+        raise error(
+            f"no Jupyter kernel named {kernel_name!r}: install ipykernel in this Python "
+            "or pass --kernel NAME (see `jupyter kernelspec list`)"
+        ) from None
+    except CellTimeoutError:
+        raise error(
+            f"{where}a cell ran longer than {timeout:g} s (raise it with --timeout)"
+        ) from None
+    except DeadKernelError as died:
+        raise error(f"{where}the kernel died: {died}") from None
+
+
 @dataclass
 class CellReport:
     """The final report of one cell. `cell` is the cell's 1-based position in the notebook
@@ -150,9 +175,8 @@ def run_notebook(
     Raises RunError for a missing notebook, a failing or timed-out cell, or a kernel that
     cannot start; `output` is written even then, to show where."""
     import nbformat
-    from jupyter_client.kernelspec import NoSuchKernel
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from nbclient.exceptions import CellExecutionError
 
     path = Path(path)
     if not path.is_file():
@@ -167,25 +191,17 @@ def run_notebook(
         resources={"metadata": {"path": str(path.resolve().parent)}},
     )
     started = time.perf_counter()
+    failures = kernel_failures(
+        RunError, timeout=timeout, kernel_name=kernel_name, where=f"{path}: "
+    )
     try:
-        with inductor_cache() as cache:
+        with failures, inductor_cache() as cache:
             client.execute(env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     except CellExecutionError as error:
         cell = _failed_cell(notebook)
         where = f"cell {cell}" if cell else "a cell"
         raise RunError(
             f"{path}: {where} failed with {error.ename}: {error.evalue}\n{error}"
-        ) from None
-    except CellTimeoutError:
-        raise RunError(
-            f"{path}: a cell ran longer than {timeout:g} s (raise it with --timeout)"
-        ) from None
-    except DeadKernelError as error:
-        raise RunError(f"{path}: the kernel died: {error}") from None
-    except NoSuchKernel:
-        raise RunError(
-            f"no Jupyter kernel named {kernel_name!r}: install ipykernel in this Python "
-            "or pass --kernel NAME (see `jupyter kernelspec list`)"
         ) from None
     finally:
         if output is not None:

@@ -36,11 +36,12 @@ class AppliedFixes:
         fix.apply(self._namespace)
         self._applied[check_id] = fix
 
-    def undo(self, check_id: str) -> list[str]:
+    def undo(self, check_id: str, *, keep_built: bool = False) -> list[str]:
         """Undo the fix of `check_id` (nothing when it is not applied); returns the notes on
-        places the user rebound meanwhile, which keep the user's object."""
+        places the user rebound meanwhile, which keep the user's object. `keep_built`: as
+        `Fix.undo`."""
         fix = self._applied.pop(check_id, None)
-        notes = fix.undo() if fix is not None else []
+        notes = fix.undo(keep_built=keep_built) if fix is not None else []
         for note in notes:
             self._warn(note)
         return notes
@@ -52,10 +53,12 @@ class AppliedFixes:
     @contextmanager
     def lifted(self, warnings: list[str]) -> Iterator[None]:
         """No fix applied inside (a measurement's runs apply their own); each is applied
-        again after, a failure to do so said in `warnings`."""
+        again after, a failure to do so said in `warnings`. What a fix did to the objects
+        the cell's complete run built stays on them throughout (`Fix.undo`), and goes with
+        the fix where it cannot be applied again."""
         lifted = [(i, self._applied[i]) for i in self.ids]
         for check_id, _ in reversed(lifted):
-            self.undo(check_id)
+            self.undo(check_id, keep_built=True)
         try:
             yield
         finally:
@@ -63,6 +66,7 @@ class AppliedFixes:
                 try:
                     self.apply(check_id, fix)
                 except FixError as error:
+                    warnings.extend(fix.undo())
                     warnings.append(f"could not re-apply {check_id}: {error.reason}")
 
 

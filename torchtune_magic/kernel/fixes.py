@@ -300,14 +300,19 @@ class Fix:
             raise
         self._patcher = patcher
 
-    def undo(self) -> list[str]:
-        """Undo every change; returns notes on places left as the user rebound them."""
+    def undo(self, *, keep_built: bool = False) -> list[str]:
+        """Undo every change; returns notes on places left as the user rebound them.
+
+        `keep_built`: what the fix did to the objects the cell's complete run built stays
+        (`kept`): a measurement lifts the applied fixes for its runs, which build objects
+        of their own, and applies them again after; the kernel's objects keep the change
+        meanwhile, since applying cannot rebuild them."""
         patcher, self._patcher = self._patcher, None
-        if patcher is None:
-            return []
-        kept, self.kept = self.kept, []
+        kept = [] if keep_built else self.kept
+        if not keep_built:
+            self.kept = []
         notes = []
-        for undone in [*reversed(kept), patcher]:
+        for undone in [*reversed(kept), *([patcher] if patcher is not None else [])]:
             undone.undo()
             notes += undone.notes
         return [f"{self.check_id}: {note}" for note in notes]
@@ -319,7 +324,9 @@ def applied(fixes: list[Fix], namespace: dict[str, Any]) -> Iterator[None]:
 
     Already-applied fixes are left as they were (they belong to the caller). Undo notes
     are dropped: these are measuring runs, where a name the cell rebinds is the cell's own
-    doing and the next run starts from the restored start state.
+    doing and the next run starts from the restored start state. What a lifted fix did to
+    the objects of the cell's complete run (`kept`) is the kernel's, not these runs': it
+    stays.
     """
     ours: list[Fix] = []
     try:
@@ -330,7 +337,7 @@ def applied(fixes: list[Fix], namespace: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         for fix in reversed(ours):
-            fix.undo()
+            fix.undo(keep_built=True)
 
 
 @contextlib.contextmanager

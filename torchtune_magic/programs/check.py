@@ -83,14 +83,7 @@ def run(args: argparse.Namespace) -> int:
     """The `check` command (see the module docstring); returns the exit status."""
     try:
         script = Script.load(args.script, args.args)
-        options = Options.build(
-            checks=args.checks,
-            skip=args.skip,
-            budget=args.budget,
-            quick=args.quick,
-            apply=args.apply,
-            memory=args.memory,
-        )
+        options = Options.from_args(args, handled_by_caller=("json",))
         if args.verify_runs < 1:
             raise OptionsError(f"--verify-runs must be at least 1, got {args.verify_runs}")
     except (ScriptInputError, OptionsError) as error:
@@ -179,8 +172,9 @@ def _report(
             if not verified.same:
                 status = status or 1
     report.program = program
+    _speak_of_the_script(report, script)
     print()
-    print(_with_headline(_script_words(text.render(report), script), report, workload))
+    print(_with_headline(text.render(report), report, workload))
     for line in after:
         print(line)
     if args.json:
@@ -191,23 +185,6 @@ def _report(
         path.write_text(f"<!doctype html><meta charset='utf-8'>{html.render(report)}")
         print(f"HTML report written to {path}")
     return status
-
-
-# The text renderer speaks of a cell; a script's report says "script" where it means the
-# checked code (the report's JSON keeps its v1 field names)
-_WORDS = (
-    ("the cell's complete run", "the script's complete run"),
-    ("whole cell", "whole script"),
-    ("cell line ", "line "),
-    ("the cell ran once", "the script ran once"),
-)
-
-
-def _script_words(rendered: str, script: Script) -> str:
-    rendered = rendered.replace("%%perfcheck report", f"perfcheck report: {script.path}", 1)
-    for cell, program in _WORDS:
-        rendered = rendered.replace(cell, program)
-    return rendered
 
 
 def _with_headline(rendered: str, report: Report, workload: ScriptWorkload) -> str:
@@ -221,6 +198,23 @@ def _with_headline(rendered: str, report: Report, workload: ScriptWorkload) -> s
     if fixes:
         lines += ["over the whole run:", *(f"  {line}" for line in fixes)]
     return "\n".join(lines) + blank + findings
+
+
+def _speak_of_the_script(report: Report, script: Script) -> None:
+    """The checks word their findings for a cell ("at cell line 84", a diff of "cell"); a
+    script's report, its JSON included, names the script's lines and the script."""
+    cell = "--- cell\n+++ cell (optimized)\n"
+    named = f"--- {script.path}\n+++ {script.path} (optimized)\n"
+    for finding in report.findings:
+        for name in ("title", "evidence", "where", "details", "caveat"):
+            text = getattr(finding, name)
+            if text:
+                setattr(finding, name, text.replace("cell line ", "line "))
+        change = finding.code_change
+        if change is not None and change.diff.startswith(cell):
+            change.diff = named + change.diff.removeprefix(cell)
+    if report.sampling is not None and report.sampling.steps_detail:
+        report.sampling.steps_detail = report.sampling.steps_detail.replace("cell line ", "line ")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -256,5 +250,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--verify-runs", type=int, default=1, metavar="N", help="plain runs of each (default 1)"
     )
     check.add_argument("script", metavar="SCRIPT", help="the .py file to run as __main__")
-    check.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
+    rest = check.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments (optional)"
+    )
+    rest.required = False  # argparse marks a REMAINDER positional required: "required: ARGS"
     check.set_defaults(handler=run)

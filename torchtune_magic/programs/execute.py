@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..runner import ReportLog, inductor_cache, logging_client
+from ..runner import ReportLog, inductor_cache, kernel_failures, logging_client
 
 CHECKED_TIMEOUT = 3
 
@@ -58,15 +58,10 @@ class Execution:
 
 def check_kernel(kernel_name: str) -> None:
     """Raise ExecuteError, saying what to do, when no Jupyter kernel has this name."""
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    from jupyter_client.kernelspec import KernelSpecManager
 
-    try:
+    with kernel_failures(ExecuteError, timeout=0, kernel_name=kernel_name):
         KernelSpecManager().get_kernel_spec(kernel_name)
-    except NoSuchKernel:
-        raise ExecuteError(
-            f"no Jupyter kernel named {kernel_name!r}: install it, or pass --kernel NAME "
-            "(see `jupyter kernelspec list`)"
-        ) from None
 
 
 def _cell_seconds(cell: Any) -> float | None:
@@ -103,7 +98,7 @@ def execute(
     A `%%perfcheck` cell may take CHECKED_TIMEOUT times `timeout` (it runs a probe, the
     measuring and its complete run)."""
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from nbclient.exceptions import CellExecutionError
     from nbclient.util import ensure_async, run_sync
 
     check_kernel(kernel_name)
@@ -150,14 +145,8 @@ def execute(
                     return
 
     started = time.perf_counter()
-    try:
-        with inductor_cache() as cache:
-            run_sync(run_all)({**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
-    except CellTimeoutError:
-        raise ExecuteError(
-            f"a cell ran longer than {timeout:g} s (raise it with --timeout)"
-        ) from None
-    except DeadKernelError as error:
-        raise ExecuteError(f"the kernel died: {error}") from None
+    failures = kernel_failures(ExecuteError, timeout=timeout, kernel_name=kernel_name)
+    with failures, inductor_cache() as cache:
+        run_sync(run_all)({**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     result.wall_s = time.perf_counter() - started
     return result

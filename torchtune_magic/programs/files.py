@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..kernel.fixes import Patcher
+from ..kernel.fixes import Patcher, patched
 
 _WRITING = set("wax+")
 
@@ -82,7 +82,6 @@ class ScratchWrites:
         self.discard()  # each run sees the files as a plain run would, and its own writes
         import torch
 
-        patcher = Patcher()
         real_open, real_save, real_load = builtins.open, torch.save, torch.load
 
         def scratch_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
@@ -102,14 +101,14 @@ class ScratchWrites:
         def scratch_load(f: Any, *args: Any, **kwargs: Any) -> Any:
             return real_load(self._read_path(f), *args, **kwargs)
 
-        try:
+        def build(patcher: Patcher) -> None:
             patcher.setattr(builtins, "open", scratch_open)
             patcher.setattr(io, "open", scratch_open)
             patcher.setattr(torch, "save", scratch_save)
             patcher.setattr(torch, "load", scratch_load)
+
+        with patched(build):
             yield
-        finally:
-            patcher.undo()
 
     @contextlib.contextmanager
     def for_real(self) -> Iterator[None]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cell.workload import Workload
-from ..kernel.fixes import Patcher
+from ..kernel.fixes import Patcher, patched
 from ..kernel.plain_stack import PlainStack
 from .files import ScratchWrites
 
@@ -226,13 +226,12 @@ def _process_group_kept() -> Iterator[None]:
         if group is not None and group is not dist.group.WORLD:
             destroy(group)
 
-    patcher = Patcher()
-    try:
+    def build(patcher: Patcher) -> None:
         patcher.setattr(dist, "init_process_group", init_once)
         patcher.setattr(dist, "destroy_process_group", destroy_later)
+
+    with patched(build):
         yield
-    finally:
-        patcher.undo()
 
 
 @contextlib.contextmanager

@@ -399,7 +399,7 @@ def render(report: Report) -> str:
     act = [f for f in report.findings if not summary.no_gain(report, f)]
     no_gain = [f for f in report.findings if summary.no_gain(report, f)]
     if not report.findings:
-        findings = "<p>No findings: nothing in this cell matches the tuning guide's checks.</p>"
+        findings = f"<p>{_e(summary.no_findings(report))}</p>"
     else:
         findings = f"<h4>Findings ({len(act)})</h4>" + (_table(report, act) if act else "")
     if no_gain:
@@ -447,7 +447,7 @@ def render(report: Report) -> str:
     )
     return (
         f'<div class="ttm-report" style="{_STYLE}">'
-        f"<b>%%perfcheck report</b>{split}{context}"
+        f"<b>{_e(summary.title(report))}</b>{split}{context}"
         f"{findings}{together}{chart(report)}{_code_changes(report)}{_not_applicable(report)}"
         f"{f'<h4>{_e(summary.OWN_FAILURES)}</h4><ul>{failures}</ul>' if failures else ''}"
         f"{f'<h4>Warnings</h4><ul>{warnings}</ul>' if warnings else ''}</div>"

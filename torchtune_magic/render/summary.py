@@ -114,6 +114,23 @@ def per_step(report: Report) -> str:
     return f" per {report.sampling.unit}" if report.sampling else ""
 
 
+def code(report: Report) -> str:
+    """What the report checked, as its lines name it: a script (`check SCRIPT`, whose
+    report carries the program) or a cell."""
+    return "script" if report.program else "cell"
+
+
+def no_findings(report: Report) -> str:
+    return f"No findings: nothing in this {code(report)} matches the tuning guide's checks."
+
+
+def title(report: Report) -> str:
+    """`%%perfcheck report`, or `perfcheck report: train.py` for a script."""
+    return (
+        f"perfcheck report: {report.program['script']}" if report.program else "%%perfcheck report"
+    )
+
+
 def speedup(report: Report, variant: Variant | None) -> str:
     """`1.54x (1.41x–1.66x over 9 rounds)`, `0.87x — measured slower here — not
     recommended`, `1.01x — no clear change`, `1.3x so far (still measuring)` while measuring,
@@ -131,7 +148,7 @@ def speedup(report: Report, variant: Variant | None) -> str:
     assert variant.speedup is not None
     if variant.judged_by == "memory":
         return memory_first(report, variant)
-    unit = " (whole cell)" if variant.judged_by == "whole cell" else per_step(report)
+    unit = f" (whole {code(report)})" if variant.judged_by == "whole cell" else per_step(report)
     text = f"{factor(variant.speedup)}{unit}"
     if report.measuring:
         text += f" {PROVISIONAL}"
@@ -241,7 +258,7 @@ def projected(report: Report, variant: Variant) -> str:
     before, after = report.baseline.projected_cell_s, variant.projected_cell_s
     if before is None or after is None or measured_before(report, variant):
         return ""  # (a number from an earlier round has no projection of this baseline)
-    return f"whole cell {seconds(before)} → {seconds(after)} (projected)"
+    return f"whole {code(report)} {seconds(before)} → {seconds(after)} (projected)"
 
 
 def one_time_cost(variant: Variant) -> str:
@@ -454,7 +471,7 @@ def baseline_line(report: Report) -> str:
     unit = report.sampling.unit if report.sampling else "run"
     compute = f", {flops(b.flops)}/{unit} at {throughput(b)}" if b.flops else ""
     whole = (
-        f"; whole cell {seconds(b.projected_cell_s)} (projected)"
+        f"; whole {code(report)} {seconds(b.projected_cell_s)} (projected)"
         if b.projected_cell_s is not None
         else ""
     )
@@ -494,7 +511,7 @@ def sampling_line(report: Report) -> str:
             if sampled.warmup_steps
             else "the first epoch timed whole"
         )
-        + f"{restart}; times are per {unit}, the whole cell projected"
+        + f"{restart}; times are per {unit}, the whole {code(report)} projected"
     )
 
 
@@ -503,13 +520,13 @@ def oom_line(report: Report) -> str:
     oom = report.oom
     if oom is None:
         return ""
-    where = f" at cell line {oom.line}" if oom.line else ""
+    where = f" at {'cell ' if code(report) == 'cell' else ''}line {oom.line}" if oom.line else ""
     asked = f", asking for {size(oom.requested_bytes)}" if oom.requested_bytes else ""
     in_use = (
         f" with {size(oom.in_use_bytes)} in use ({oom.in_use_measure})" if oom.in_use_bytes else ""
     )
     return (
-        f"the cell ran out of memory{where}{asked}{in_use}: {oom.error.rstrip('.')}. "
+        f"the {code(report)} ran out of memory{where}{asked}{in_use}: {oom.error.rstrip('.')}. "
         "Nothing was timed "
         "against a baseline; the findings below come from the run up to the failure, memory "
         f"fixes first{_fit_outcome(report)}"
@@ -537,19 +554,25 @@ def cell_run_line(report: Report) -> str:
         return ""
     unit = report.sampling.unit if report.sampling else "step"
     with_fixes = f", with {', '.join(run.fixes)}" if run.fixes else ""
+    checked = code(report)
     if run.status == "probe":
-        return "the cell ran once, complete, in the probe: the kernel is as after that run"
+        after = (
+            "its output and files are that run's"
+            if report.program
+            else "the kernel is as after that run"
+        )
+        return f"the {checked} ran once, complete, in the probe: {after}"
     if run.status == "running":
-        return f"finishing the cell: its one complete run{with_fixes}…"
+        return f"finishing the {checked}: its one complete run{with_fixes}…"
     if run.status == "skipped":
         return "--no-finish: the cell's complete run was skipped; the kernel is as before the cell"
     done = count(run.steps, unit, plural(unit)) if run.steps is not None else ""
     took = ", ".join(part for part in (seconds(run.seconds), done) if part)
     if run.status == "complete":
-        return f"the cell's complete run: {took}{with_fixes}"
+        return f"the {checked}'s complete run: {took}{with_fixes}"
     if run.status == "interrupted":
-        return f"the cell's complete run was interrupted (Ctrl-C) after {took}{with_fixes}"
-    return f"the cell's complete run failed after {took}{with_fixes}: {run.detail or ''}"
+        return f"the {checked}'s complete run was interrupted (Ctrl-C) after {took}{with_fixes}"
+    return f"the {checked}'s complete run failed after {took}{with_fixes}: {run.detail or ''}"
 
 
 def phase_line(report: Report) -> str:
@@ -558,7 +581,7 @@ def phase_line(report: Report) -> str:
     if report.phase == "interrupted":
         return "interrupted (Ctrl-C) before every number was in"
     if report.phase == "finishing":
-        return "every number is in; the cell's complete run is under way"
+        return f"every number is in; the {code(report)}'s complete run is under way"
     return ""
 
 

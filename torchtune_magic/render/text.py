@@ -50,7 +50,7 @@ def _finding(report: Report, index: int, finding: Finding) -> list[str]:
 
 
 def render(report: Report) -> str:
-    lines = ["%%perfcheck report", summary.baseline_line(report)]
+    lines = [summary.title(report), summary.baseline_line(report)]
     lines += [
         line
         for line in (
@@ -70,7 +70,7 @@ def render(report: Report) -> str:
     if not report.findings and report.checked:
         lines.append("No findings to act on: what the checks measured is below.")
     elif not report.findings:
-        lines.append("No findings: nothing in this cell matches the tuning guide's checks.")
+        lines.append(summary.no_findings(report))
     for index, finding in enumerate(act, 1):
         lines.extend(_finding(report, index, finding))
     if no_gain:
