@@ -47,7 +47,7 @@ LIVE_FIX: dict[str, str] = {
     "ddp-no-sync": "DDP all-reduces only on the last micro-batch of each optimizer step, "
     "as `no_sync()` on the others would (on every rank)",
     "distributed-sampler": "rebuild the loader with a `DistributedSampler` (each rank 1/N "
-    "of an epoch)",
+    "of an epoch); a loader the cell builds gets `sampler=` in its `DataLoader(...)` call",
     "ddp-find-unused": "the DDP wrapper rebuilt with `find_unused_parameters=False` (or "
     "`static_graph=True` where the same parameters go unused every step), on every rank",
     "ddp-bucket-view": "the DDP wrapper rebuilt with `gradient_as_bucket_view=True`, on every "
