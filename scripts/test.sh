@@ -10,4 +10,4 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)/inductor
 echo "==> ruff"
 ruff check .
 echo "==> pytest"
-python -m pytest -m "not gpu" "$@"
+python -m pytest -m "not gpu" --durations=40 "$@"
