@@ -157,6 +157,10 @@ FORMATS = (torch.contiguous_format, torch.channels_last)
 # then slows both layouts' calls in turn, not all of one layout's (timed three in a row,
 # one conv read 14.1 ms in channels_last and 0.37 ms a moment later, 8x "slower").
 ROUNDS = 5
+# rounds timed even past the deadline: beside a CPU-bound process a float64 depthwise conv's
+# call read 13 ms or, in a burst, 350-500 ms; cut to the one round the budget allowed, its
+# NCHW call read slower than channels_last and the fix was offered where it is 7x slower
+MIN_ROUNDS = 3
 
 
 def _conv_times(
@@ -167,7 +171,7 @@ def _conv_times(
     deadline: float,
 ) -> tuple[float, float]:
     """The conv's best forward time in NCHW and in channels_last, over interleaved rounds
-    (fewer once past the deadline, one at least)."""
+    (fewer once past the deadline, MIN_ROUNDS at least)."""
     calls = []
     for memory_format in FORMATS:
         x_in = x.contiguous(memory_format=memory_format)
@@ -179,14 +183,14 @@ def _conv_times(
         call()  # warm up (oneDNN primitive creation)
         calls.append(call)
     best = [float("inf")] * len(calls)
-    for _ in range(ROUNDS):
+    for rounds in range(1, ROUNDS + 1):
         for index, call in enumerate(calls):
             synchronize()
             start = time.perf_counter()
             call()
             synchronize()  # a CUDA conv is timed to its end, not to its launch
             best[index] = min(best[index], time.perf_counter() - start)
-        if time.perf_counter() > deadline:
+        if rounds >= MIN_ROUNDS and time.perf_counter() > deadline:
             break
     return best[0], best[1]
 

@@ -80,10 +80,7 @@ class Recorder:
         long enough and this is the cell's step (at a boundary, so the cut is clean)."""
         trace = self.trace(unit, obj)
         elapsed = time.perf_counter() - self.started
-        if ended > trace.count:
-            trace.count = ended
-            trace.first_s = elapsed if trace.first_s is None else trace.first_s
-            trace.last_s = elapsed
+        trace.step_ended(ended, elapsed)
         if ended < PROBE_MIN_STEPS:
             return
         profile_for_s = self.profile_for_s if self.stop_profiler is not None else None
