@@ -14,13 +14,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from workloads import namespace_with
 
-from torchtune_magic import perfcheck
+from torchtune_magic.cell.workload import Workload
 from torchtune_magic.checks import precision
 from torchtune_magic.kernel import applied
 from torchtune_magic.measuring import losses, numerics
+from torchtune_magic.options import Options
 from torchtune_magic.probe import cpu
 from torchtune_magic.render import html, summary, text
 from torchtune_magic.report import FASTER, Numerics, Report, Variant, load_schema
+from torchtune_magic.session import Session
 
 SETUP = """
 import torch
@@ -31,6 +33,7 @@ model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReL
 opt = torch.optim.SGD(model.parameters(), lr=0.005)
 X, Y = torch.randn(16, 3, 12, 12), torch.randint(0, 10, (16,))
 """
+CHECKED = "amp,channels-last,conv-bias-bn"
 CELL = """
 for step in range(30):
     opt.zero_grad()
@@ -50,7 +53,19 @@ def report() -> Report:
         patch.setattr(precision, "CPU_MIN_MATH_SHARE", 0.0)
         patch.setattr(precision, "CPU_MIN_CALL_FLOPS", 0.0)
         ns = namespace_with(SETUP)
-        return perfcheck(CELL, ns, checks="amp,channels-last,conv-bias-bn", budget=6)
+        session = Session(Workload(CELL, ns), Options.build(checks=CHECKED, budget=6))
+        report = session.run()
+        # what this file judges is the loss comparison, not the plan: a fix the plan left
+        # without a timed round (a loaded 2-core box can leave budget 6 short, or read a
+        # bound below the no-change band) is timed as the panel's Re-time of it would
+        untimed = [
+            [f.id] for f in report.findings if f.fixable and f.id not in _measured_ids(report)
+        ]
+        return session.measure(untimed, budget_s=6) if untimed else report
+
+
+def _measured_ids(report: Report) -> set[str]:
+    return {"+".join(v.fixes) for v in _measured(report)}
 
 
 def _measured(report: Report) -> list[Variant]:
