@@ -2,11 +2,11 @@
 
 Two epochs of a small CNN over a dataset whose items take 2 ms to load, anomaly mode left on
 from an earlier cell, gradients zeroed in place, conv bias before BatchNorm. At the default
-budget each measuring run is the cell's first epoch; the loader's fix must come back
-"faster", the fixes whose evidence bounds them below the no-change band untimed with their
-bound, the rest of the budget spent on anomaly mode, and the whole wait within the promise.
-With a CPU-bound process beside the kernel, the loader's fix is timed and claims nothing
-its rounds cannot back."""
+budget each measuring run times a few batches around the first epoch's end; the loader's
+fix must come back "faster", the fixes whose evidence bounds them below the no-change band
+untimed with their bound, the rest of the budget spent on anomaly mode, and the whole wait
+within the promise. With a CPU-bound process beside the kernel, the loader's fix is timed
+and claims nothing its rounds cannot back."""
 
 from __future__ import annotations
 
@@ -101,12 +101,15 @@ def test_the_default_budget_settles_the_wins_of_a_cnn_training_cell():
         return
     found = {f.id for f in report.findings if f.fixable}
     assert {"dataloader-workers", "debug-anomaly", "zero-grad-none", "conv-bias-bn"} <= found
-    # two epochs of 8 batches: each run is the first epoch, timed whole
-    assert report.sampling is not None and report.sampling.warmup_steps == 0
-    assert report.sampling.steps_timed == 8 and report.sampling.steps_per_run == 16
+    # two epochs of 8 batches; the fix's two workers (the cores, never more) prefetch 4:
+    # 4 warm-up batches, then 7 timed that hold the first epoch's end and the restart
+    assert report.sampling is not None and report.sampling.warmup_steps == 4
+    assert report.sampling.steps_timed == 7 and report.sampling.epoch_end_step == 7
+    assert report.sampling.steps_per_run == 16
     workers = report.variant_for(["dataloader-workers"])
     assert workers is not None and workers.verdict == "faster", workers
-    assert workers.speedup > 2.0 and not workers.budget_to_tell_s
+    # two workers on 2 ms items: at most 2x, less each epoch's worker start (1.72x here)
+    assert workers.speedup > 1.5 and not workers.budget_to_tell_s
     # a fill and an add over 5 K grads, a bias add over 400 K values: not timed, with bounds
     for check_id in ("zero-grad-none", "conv-bias-bn"):
         variant = report.variant_for([check_id])
