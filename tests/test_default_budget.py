@@ -115,10 +115,14 @@ def test_the_default_budget_settles_the_wins_of_a_cnn_training_cell():
         variant = report.variant_for([check_id])
         assert variant is not None and variant.speedup is None, variant
         assert variant.at_most is not None and variant.at_most < 1.02, variant
-    # what is left goes to anomaly mode: rounds of its own once the loader's fix settled
+    # what is left goes to anomaly mode: rounds of its own, and a verdict or what budget
+    # would give one. Its cost here is a few per cent of a step that waits on its batch
+    # (1.02x-1.06x per batch, a finer effect than the loader's), so at the default budget
+    # it may honestly stay unsettled, saying so; never a claim its rounds cannot back
     anomaly = report.variant_for(["debug-anomaly"])
-    assert anomaly is not None and anomaly.rounds is not None
-    assert anomaly.rounds > workers.rounds, (anomaly, workers)
+    assert anomaly is not None and anomaly.rounds is not None and anomaly.rounds >= 2, anomaly
+    assert _settled(report, "debug-anomaly") or anomaly.budget_to_tell_s, anomaly
+    assert anomaly.verdict != "slower", anomaly
     assert waited <= plain + DEFAULT_BUDGET_S + PROMISE_SLACK_S, (waited, plain)
     _budget_kept(report)
 

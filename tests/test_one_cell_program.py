@@ -60,10 +60,10 @@ def checked() -> tuple[Report, dict, dict, dict]:
     """The report, the namespace after the check, a plain run's namespace, and the
     constructors before the check.
 
-    conv-bias-bn's evidence bound (`checks.bounds`) reads this cell steadily now, busy
-    machine or quiet: 1.001x-1.008x, below the no-change band, since each step waits 64 ms
-    for its batch and the bias adds over 16x16 maps cost a fraction of a millisecond, so
-    the plan (rightly) leaves the fix untimed. This test is about the fix reaching the
+    conv-bias-bn's evidence bound (`checks.bounds`) reads this cell at 1.001x-1.008x,
+    below the no-change band, since each step waits 64 ms for its batch and the bias adds
+    over 16x16 maps cost a fraction of a millisecond, so the plan (rightly) leaves the fix
+    untimed. This test is about the fix reaching the
     modules each run builds, so the bound is left unknown and the fix is always timed."""
     namespace, inits = {"__name__": "__main__"}, _inits()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):

@@ -497,7 +497,7 @@ def _zeroing_share(obs: Observation, owners: list[Any], calls: int) -> float | N
     for p in params.values():
         by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
     saved_s = sum(bounds.passes_s(n, 2 * calls, dtype) for dtype, n in by_dtype.items())
-    return bounds.share_of_run(saved_s, obs.quiet_wall_s())
+    return bounds.share_of_run(saved_s, obs.wall_s)
 
 
 class ZeroGradNoneCheck(Check):

@@ -10,12 +10,12 @@ The bound leans towards the fix on both sides: each pass is timed as an `add_` (
 and a write, at least what a fill, an add of a broadcast bias or a reduction costs), and
 doubled; the run it is a share of is the probe's instrumented run made PROBE_SLOWDOWN_MOST
 times shorter than it was (the probe runs about 2x slower than the plain cell:
-`measuring/plan.PROBE_SLOWDOWN`). Both sides are the quiet machine's view, so that a busy
-machine does not move the bound: the add is the fastest of REPEATS timings on one thread
-(SLICE), the run its steps at the fastest step's pace
-(`Observation.quiet_wall_s`). Before, on a loaded 2-core machine, the probe's whole run read
-up to 50x its quiet time and a split add up to 5000x, and the bound of one small CNN's conv
-bias read anything from 1.003x (not timed) to none.
+`measuring/plan.PROBE_SLOWDOWN`). The add is the fastest of REPEATS timings on one thread
+(SLICE), so that a busy machine does not inflate it: split over the intra-op threads, a
+loaded 2-core machine read it up to 5000x its quiet time. The probe's run, timed on that
+same machine, keeps its own view: a busy machine makes it longer and the bound smaller,
+which at worst leaves a small fix untimed with its bound (pricing the run at its fastest
+step instead inflated the bound of a loader-bound cell's fixes, whose steps differ).
 """
 
 from __future__ import annotations

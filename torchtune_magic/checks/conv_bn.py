@@ -177,7 +177,7 @@ def saved_share(obs: Observation, pairs: list[_Pair]) -> float | None:
             return None
         passes = use.calls + use.grad_calls
         saved_s += bounds.passes_s(elements, passes, pair.conv.weight.dtype)
-    return bounds.share_of_run(saved_s, obs.quiet_wall_s())
+    return bounds.share_of_run(saved_s, obs.wall_s)
 
 
 def _constructor(conv: nn.Module) -> str:

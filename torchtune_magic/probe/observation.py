@@ -136,10 +136,6 @@ class StepTrace:
     count: int = 0
     first_s: float | None = None  # end of the first step
     last_s: float | None = None  # end of the latest step
-    # the shortest step after the first: what a step takes when nothing else took a slice
-    # of it (on a busy 2-core machine a small CNN's probe steps read a median 10-60 ms, the
-    # fastest 1-1.5 ms, as on a quiet one)
-    fastest_s: float | None = None
     lines: set[int] = field(default_factory=set)  # cell lines the steps were issued from
     epoch_lengths: list[int] = field(default_factory=list)  # batch unit: completed epochs
 
@@ -153,9 +149,6 @@ class StepTrace:
         """`ended` steps have ended, `elapsed` seconds into the run."""
         if ended <= self.count:
             return
-        if self.last_s is not None:
-            step_s = (elapsed - self.last_s) / (ended - self.count)
-            self.fastest_s = step_s if self.fastest_s is None else min(self.fastest_s, step_s)
         self.count = ended
         self.first_s = elapsed if self.first_s is None else self.first_s
         self.last_s = elapsed
@@ -281,17 +274,6 @@ class Observation:
         if self._trials_started is None:
             self._trials_started = now
         return max(0.0, min(wanted_s, self.trials_s - (now - self._trials_started)))
-
-    def quiet_wall_s(self) -> float:
-        """The run as a quiet machine would have timed it: its steps at the fastest one's
-        pace (at most `wall_s`). One probe run on a busy machine can read several times
-        longer than the same run alone (other processes' bursts stall the intra-op
-        threads), while what it is compared with, such as an add timed as the fastest of
-        a few tries (`checks.bounds`), reads the quiet machine: both sides the same view."""
-        step = self.leading_step()
-        if step is None or step.fastest_s is None:
-            return self.wall_s
-        return min(self.wall_s, step.fastest_s * step.count)
 
     def leading_step(self) -> StepTrace | None:
         """The cell's step: batches of the loader that gave the most, else the optimizer
