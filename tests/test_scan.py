@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
 import json
 import os
 import re
@@ -345,6 +346,41 @@ def test_the_copy_carries_only_winning_fixes_with_identical_results() -> None:
     for index, (before, after) in enumerate(zip(original.cells, optimized.cells, strict=True), 1):
         if index != loaders:
             assert after == before
+
+
+def test_a_cell_with_whitespace_only_lines_is_edited_and_keeps_them() -> None:
+    """IPython hands the kernel a cell with its whitespace-only lines emptied, so a
+    report's `before` reads "" where the notebook has "    " (a public course notebook's
+    training cell was passed over for that, with a note naming "In[None]"): the cell is
+    still edited, and the copy keeps its own lines but for the fix's change."""
+    recorded = json.loads((REPO / "tests/data/scan_tutorial_report.json").read_text())
+    report = Report.from_dict(recorded["report"])
+    for variant in report.variants:
+        variant.verdict = "faster"
+    original = nbformat.read(TUTORIAL / "quickstart_tutorial.ipynb", as_version=4)
+    loaders = _position(original, "batch_size = 64")
+    lines = original.cells[loaders - 1].source.split("\n")
+    original.cells[loaders - 1].source = "\n".join([lines[0], "    ", *lines[1:]])
+    for finding in report.findings:
+        for change in finding.code_change.cells if finding.code_change else []:
+            for name in ("before", "after"):
+                text = getattr(change, name).split("\n")
+                setattr(change, name, "\n".join([text[0], "", *text[1:]]))
+    checking_run = copy.deepcopy(original)
+    for count, cell in enumerate([c for c in checking_run.cells if c.cell_type == "code"], 1):
+        cell.execution_count = count
+    optimized, edits, notes = notebook_write.optimized_copy(
+        original, checking_run, {recorded["index"]: report}
+    )
+    assert [(e.index, e.fixes) for e in edits] == [(loaders, ["dataloader-workers"])], notes
+    edited = optimized.cells[loaders - 1].source.split("\n")
+    assert edited[1] == "    " and sum("num_workers=" in line for line in edited) == 2
+    own = original.cells[loaders - 1].source.split("\n")
+    matcher = difflib.SequenceMatcher(a=own, b=edited, autojunk=False)
+    changed = [op for op in matcher.get_opcodes() if op[0] != "equal"]
+    assert changed and all(
+        any("num_workers=" in line for line in edited[j1:j2]) for _, _, _, j1, j2 in changed
+    ), changed
 
 
 SLOW_SETUP = """import torch

@@ -13,6 +13,7 @@ Each edited cell is tagged `metadata["torchtune_magic"] = {"fixes": [...]}`.
 from __future__ import annotations
 
 import copy
+import difflib
 from typing import Any
 
 from ..cell import codeedit
@@ -42,8 +43,28 @@ def _without_magic_line(text: str) -> str:
     return text.split("\n", 1)[1] if text.startswith("%%perfcheck") and "\n" in text else text
 
 
+def _lines(text: str) -> list[str]:
+    """A cell's lines as the kernel ran them: IPython hands a cell magic its body with each
+    whitespace-only line emptied, so the reports' `before` of a checked cell reads "" where
+    the notebook has "    "."""
+    return [line if line.strip() else "" for line in text.rstrip().split("\n")]
+
+
 def _same(a: str, b: str) -> bool:
-    return a.rstrip() == b.rstrip()
+    return _lines(a) == _lines(b)
+
+
+def _onto(source: str, before: str, after: str) -> str:
+    """`after`, with the notebook's own text on every line the change kept from `before`
+    (`source` reads `before` but for whitespace-only lines, `_same`): the copy changes only
+    what the fix changes."""
+    own, ran = source.rstrip().split("\n"), before.rstrip().split("\n")
+    changed = after.rstrip().split("\n")
+    matcher = difflib.SequenceMatcher(a=ran, b=changed, autojunk=False)
+    lines: list[str] = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        lines += own[i1:i2] if tag == "equal" else changed[j1:j2]
+    return "\n".join(lines) + source[len(source.rstrip()) :]
 
 
 def optimized_copy(
@@ -70,11 +91,17 @@ def optimized_copy(
             if change.execution_count is None:
                 before, after = _without_magic_line(before), _without_magic_line(after)
             if index is None or not _same(original.cells[index - 1].source, before):
+                where = (
+                    f"cell {checked} (checked)"
+                    if change.execution_count is None
+                    else f"In[{change.execution_count}]"
+                )
                 notes.append(
-                    f"{fix}: a change to In[{change.execution_count}] was left out: no cell of "
-                    "the notebook reads what that cell read when it ran"
+                    f"{fix}: a change to {where} was left out: no cell of the notebook reads "
+                    "what that cell read when it ran"
                 )
                 continue
+            after = _onto(original.cells[index - 1].source, before, after)
             if after not in versions.setdefault(index, []):
                 versions[index].append(after)
             fixes_at.setdefault(index, set()).update(fix.split(","))
