@@ -383,6 +383,27 @@ def test_a_cell_with_whitespace_only_lines_is_edited_and_keeps_them() -> None:
     ), changed
 
 
+def test_a_cell_that_differs_between_plain_runs_is_said_to_be_the_notebooks_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cell that draws random numbers without a seed prints something else every run (a
+    public course notebook's untrained model did): before any checked cell ran, that is
+    the notebook's own doing, and the scan says so instead of blaming the check."""
+    path = _notebook(
+        tmp_path,
+        "import torch\nprint(torch.rand(3))",
+        "w = torch.zeros(4, requires_grad=True)\nopt = torch.optim.SGD([w], lr=0.1)\n"
+        "for _ in range(50):\n    opt.zero_grad()\n    (w - 1).pow(2).sum().backward()\n"
+        "    opt.step()",
+    )
+    status, out, err = scan_here(
+        tmp_path, capsys, monkeypatch, path.name, "--cells", "3", "--budget", "2"
+    )
+    assert status == 0, out + err
+    assert "cell 2 printed something else in two plain runs (it ran before any checked cell)" in out
+    assert "the checking run" not in out
+
+
 SLOW_SETUP = """import torch
 from torch import nn
 from torch.utils.data import DataLoader

@@ -223,11 +223,20 @@ def _disturbed(plain: Execution, checking: Execution, checked: set[int]) -> list
     """Where an unchecked cell printed something else in the checking run than in the
     plain run (checking in place should change nothing after the checked cell)."""
     notes = []
+    first_checked = min(checked, default=0)
     for index in sorted(set(plain.seconds) & set(checking.seconds) - checked):
         outcome = compare_outputs(
             plain.notebook.cells[index - 1].outputs, checking.notebook.cells[index - 1].outputs
         )
-        if not outcome.same:
+        if outcome.same:
+            continue
+        if index < first_checked:  # nothing of the check had run yet: two plain runs differ
+            notes.append(
+                f"cell {index} printed something else in two plain runs (it ran before any "
+                "checked cell): the notebook itself differs from run to run there (random "
+                f"numbers drawn without a seed, times, ...): {outcome.difference}"
+            )
+        else:
             notes.append(
                 f"cell {index} printed something else in the checking run than in the plain "
                 f"run: {outcome.difference}"
