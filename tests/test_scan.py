@@ -24,6 +24,7 @@ from pathlib import Path
 import jsonschema
 import nbformat
 import pytest
+from slow_data import TWO_SHUFFLED_EPOCHS
 
 from torchtune_magic.cli import main
 from torchtune_magic.programs import notebook_write, scan_render
@@ -413,15 +414,7 @@ loader = DataLoader(SlowDataset(640, delay_s=0.01), batch_size=8, shuffle=True)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)"""
-SLOW_TRAINING = """for epoch in range(2):
-    total = 0.0
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        total += loss.item()
-    print(f"epoch {epoch}: loss {total:.6f}")"""
+SLOW_TRAINING = TWO_SHUFFLED_EPOCHS
 
 
 def test_a_slow_loader_s_copy_carries_workers_and_is_verified_identical_and_faster(

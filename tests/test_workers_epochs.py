@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from slow_data import TWO_SHUFFLED_EPOCHS
 
 from torchtune_magic import session
 
@@ -25,17 +26,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)"""
 
-TRAIN = """losses = []
-for epoch in range(2):
-    total = 0.0
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        total += loss.item()
-    losses.append(total)
-    print(f"epoch {epoch}: loss {total:.6f}")"""
+TRAIN = TWO_SHUFFLED_EPOCHS
 
 CHECKED = (
     "%%perfcheck -o -q --budget 12 --checks dataloader-workers --apply dataloader-workers\n" + TRAIN
