@@ -132,7 +132,7 @@ CASES = [
         CNN_SETUP,
         CNN_CELL,
         CNN_CELL,
-        fixed_setup_extra=", num_workers={workers}",
+        fixed_setup_extra=", num_workers={workers}, persistent_workers=True",
     ),
     Case(
         "mlp",

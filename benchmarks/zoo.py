@@ -179,7 +179,7 @@ ZOO: list[ZooCell] = [
         hand_fixed={
             "dataloader-workers": (
                 LOADER + "loader = DataLoader(SlowFileDataset(), batch_size=16, shuffle=True,"
-                " num_workers={workers})\n",
+                " num_workers={workers}, persistent_workers=True)\n",
                 LOADER_LOOP,
             )
         },
@@ -347,7 +347,7 @@ ZOO: list[ZooCell] = [
                 LOADER + "class Trainer:\n"
                 "    def __init__(self):\n"
                 "        self.loader = DataLoader(SlowFileDataset(), batch_size=16, shuffle=True,"
-                " num_workers={workers})\n"
+                " num_workers={workers}, persistent_workers=True)\n"
                 "trainer = Trainer()\n",
                 LOADER_LOOP.replace("in loader", "in trainer.loader"),
             )
@@ -370,7 +370,7 @@ ZOO: list[ZooCell] = [
                 "        yield from loader\n"
                 "    return batches\n"
                 "batches = stream(DataLoader(SlowFileDataset(), batch_size=16,"
-                " num_workers={workers}))\n",
+                " num_workers={workers}, persistent_workers=True))\n",
                 LOADER_LOOP.replace("in loader", "in batches()"),
             )
         },

@@ -26,8 +26,8 @@ LIVE_FIX: dict[str, str] = {
     "debug-gradcheck": "gradcheck/gradgradcheck return True at once",
     "no-grad": "run the cell under `torch.no_grad()`",
     "zero-grad-none": "`zero_grad` sets grads to `None`; in-place zeroing becomes `p.grad = None`",
-    "dataloader-workers": "rebuild the loader with `num_workers=k` (k from a quick trial, "
-    "at most the cores the process may use)",
+    "dataloader-workers": "rebuild the loader with `num_workers=k` (k from a quick trial), "
+    "`persistent_workers=True`",
     "pin-memory": "rebuild the loader with `pin_memory=True`",
     "conv-bias-bn": "drop the conv bias (folded into the BatchNorm's running mean in eval)",
     "fuse-pointwise": "`torch.compile` the function or module issuing the chains",

@@ -8,21 +8,6 @@ import time
 import torch
 from torch.utils.data import Dataset
 
-# A cell training two shuffled epochs over a `loader`, a `model` with dropout and an `opt`
-# from an earlier cell, printing each epoch's loss (and keeping it in `losses`): the
-# random stream decides both epochs' order and dropout, so a fix that shifts it shows
-TWO_SHUFFLED_EPOCHS = """losses = []
-for epoch in range(2):
-    total = 0.0
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        total += loss.item()
-    losses.append(total)
-    print(f"epoch {epoch}: loss {total:.6f}")"""
-
 
 class SlowDataset(Dataset):
     """Each item costs `delay_s` of blocking I/O-like waiting (a sleep, so workers overlap

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import re
-import warnings
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from torchtune_magic import perfcheck
 from torchtune_magic.checks.loader.edits import non_blocking_edit, with_keywords
 from torchtune_magic.checks.loader.fixes import PinMemoryFix, WorkersFix
 from torchtune_magic.checks.loader.rebuild import plan_for
+from torchtune_magic.checks.loader.trial import IO_BOUND_CPU_SHARE, MAX_WORKERS
 from torchtune_magic.probe import cpu
 from torchtune_magic.session import Session
 
@@ -60,10 +60,8 @@ def _state(ns: dict) -> dict[str, torch.Tensor]:
 
 
 def test_global_loader_from_earlier_cell_is_flagged_and_measured_faster():
-    # items of 5 ms: the workers start afresh in every measured run (0.05-0.07 s here), as
-    # they do at each epoch of the user's cell, and the epoch must outweigh that start
     ns = namespace(
-        MODEL + "loader = DataLoader(SlowDataset(64, delay_s=0.005), batch_size=8, shuffle=True)"
+        MODEL + "loader = DataLoader(SlowDataset(64, delay_s=0.002), batch_size=8, shuffle=True)"
     )
     original = ns["loader"]
     report = perfcheck(TRAIN, ns, checks="dataloader-workers", budget=4)
@@ -77,13 +75,14 @@ def test_global_loader_from_earlier_cell_is_flagged_and_measured_faster():
     assert "quick trial" in finding.details
     assert finding.segment == "data_wait"
     assert finding.where == "loader, iterated at cell line 2"
-    assert re.fullmatch(
-        r"loader: build it with DataLoader\(\.\.\., num_workers=\d\)",
+    assert re.search(
+        r"loader: build it with DataLoader\(\.\.\., num_workers=\d, "
+        r"persistent_workers=True\)",
         finding.code_change.elsewhere[0],
     )
     variant = report.variant_for(["dataloader-workers"])
     assert variant.error is None
-    assert variant.speedup > 1.3  # 1.5x here on 2 cores; the >= 2x claim is the benchmark's
+    assert variant.speedup > 1.3  # 2-3x here; the >= 2x claim belongs to the benchmark
     # shuffled, yet the same batches in the same order: the RNG stream is kept
     assert variant.numerics.verdict == "identical"
     assert ns["loader"] is original  # the kernel is as if the cell ran once
@@ -115,8 +114,7 @@ trainer = Trainer(model, opt)
     assert detection.finding.fixable
     session.apply("dataloader-workers")
     swapped = ns["trainer"].loader
-    assert swapped is not original and swapped.num_workers > 0
-    assert not swapped.persistent_workers  # a kept iterator would shift the random stream
+    assert swapped is not original and swapped.num_workers > 0 and swapped.persistent_workers
     assert swapped.dataset is original.dataset and swapped.sampler is original.sampler
     assert swapped.batch_size == 8 and swapped.collate_fn is original.collate_fn
     session.undo("dataloader-workers")
@@ -165,7 +163,7 @@ def test_loader_built_in_the_cell_is_fixed_in_the_cell_text():
     assert finding.fixable and finding.line == 1
     assert re.search(
         r"\+loader = DataLoader\(SlowDataset\(48, delay_s=0\.002\), batch_size=8, "
-        r"num_workers=\d\)\n",
+        r"num_workers=\d, persistent_workers=True\)",
         finding.code_change.diff,
     )
     variant = report.variant_for(["dataloader-workers"])
@@ -224,26 +222,23 @@ def test_cpu_bound_loading_never_tries_more_workers_than_the_cores_it_may_use():
     assert shown and int(shown.group(1)) <= CORES
 
 
-def test_io_bound_loading_never_tries_more_workers_than_the_cores_either():
-    """Items that wait (a sleep standing for storage) leave the cores idle, and more
-    workers would overlap more of the waits; but torch warns in the user's cell above the
-    CPUs the process may use, and a fix handed back must not make it warn: no count above
-    the cores is tried or chosen, and the fixed cell runs without that warning."""
+def test_io_bound_loading_tries_more_workers_than_cores_and_says_why():
+    """Items that wait (a sleep standing for storage) keep the main process idle: workers
+    overlap the waits beyond the core count, so twice the cores is tried too, and the
+    details say why, with the measured share."""
     ns = namespace(MODEL + "loader = DataLoader(SlowDataset(64, delay_s=0.002), batch_size=8)")
-    session = detected(TRAIN, ns)
-    (detection,) = session.detections
+    (detection,) = detected(TRAIN, ns).detections
     details = detection.finding.details
-    trials = _trials(details)
-    assert trials and max(trials) <= CORES, details
-    assert "waits on I/O" not in details
-    assert detection.fix.overrides == {"num_workers": detection.fix.overrides["num_workers"]}
-    assert detection.fix.overrides["num_workers"] <= CORES
-    session.apply("dataloader-workers")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torch's "will create N worker processes" warning
-        for _ in ns["loader"]:
-            pass
-    session.undo("dataloader-workers")
+    above = min(2 * CORES, MAX_WORKERS, 8)
+    if above <= CORES:
+        pytest.skip("this machine has as many cores as there are batches to load")
+    assert above in _trials(details), details
+    busy = re.search(
+        rf"and {above} because the loading waits on I/O: it kept the main process busy "
+        r"(\d+)% of the time",
+        details,
+    )
+    assert busy and int(busy.group(1)) < 100 * IO_BOUND_CPU_SHARE, details
 
 
 def test_each_trial_figure_is_measured_on_its_own_epoch():
@@ -296,17 +291,16 @@ loader = DataLoader(NotebookSet(), batch_size=8)
     assert "NotebookSet" in detection.finding.details
 
 
-def test_no_worker_process_outlives_the_trial_or_an_epoch():
-    """The trial's loaders keep their workers only while they are timed; the fix's loader
-    has no persistent workers, so its workers end with each epoch of the cell."""
+def test_worker_processes_end_with_the_session():
     ns = namespace(MODEL + "loader = DataLoader(SlowDataset(32, delay_s=0.002), batch_size=8)")
     session = detected(TRAIN, ns)
-    assert multiprocessing.active_children() == []
     session.apply("dataloader-workers")
     session.workload.run()
-    gc.collect()  # the epoch's exhausted iterator
-    assert multiprocessing.active_children() == []
+    assert multiprocessing.active_children()
     session.undo("dataloader-workers")
+    del session
+    gc.collect()
+    assert multiprocessing.active_children() == []
 
 
 def test_fixes_compose_in_any_order_with_zero_grad_none():
@@ -339,13 +333,13 @@ def test_workers_and_pin_memory_merge_on_one_loader_in_any_order():
     session = detected("n = sum(1 for _ in loader)\n", ns)
     locations = session.observation.found[id(original)].locations
     plan = plan_for(original, locations)
-    workers = WorkersFix({"num_workers": 1}, plan, None)
+    workers = WorkersFix({"num_workers": 1, "persistent_workers": True}, plan, None)
     pin = PinMemoryFix({"pin_memory": True}, plan, None)
     for order in ([workers, pin], [pin, workers]):
         for fix in order:
             fix.apply(ns)
         both = ns["loader"]
-        assert both.num_workers == 1 and both.pin_memory
+        assert both.num_workers == 1 and both.pin_memory and both.persistent_workers
         order[0].undo()
         assert ns["loader"] is not original and ns["loader"] is not both
         order[1].undo()
@@ -372,11 +366,17 @@ def test_copy_lines_get_non_blocking_and_constructor_pin_memory():
 @pytest.mark.parametrize(
     ("call", "expected"),
     [
-        ("DataLoader(ds, num_workers=0)", "DataLoader(ds, num_workers=2)"),
-        ("DataLoader(ds, 8, True, None, None, 0)", "DataLoader(ds, 8, True, None, None, 2)"),
-        ("DataLoader(\n    ds,\n)", "DataLoader(\n    ds,\n    num_workers=2,\n)"),
+        ("DataLoader(ds, num_workers=0)", "DataLoader(ds, num_workers=2, persistent_workers=True)"),
+        (
+            "DataLoader(ds, 8, True, None, None, 0)",
+            "DataLoader(ds, 8, True, None, None, 2, persistent_workers=True)",
+        ),
+        (
+            "DataLoader(\n    ds,\n)",
+            "DataLoader(\n    ds,\n    num_workers=2,\n    persistent_workers=True,\n)",
+        ),
     ],
 )
 def test_constructor_edit(call: str, expected: str):
-    values = {"num_workers": "2"}
+    values = {"num_workers": "2", "persistent_workers": "True"}
     assert with_keywords(f"l = {call}\n", 1, {"DataLoader"}, values) == f"l = {expected}\n"

@@ -15,7 +15,7 @@ from torchtune_magic.cell import codeedit
 from torchtune_magic.checks import autocast_edit
 from torchtune_magic.checks.loader.edits import POSITIONAL, non_blocking_edit
 
-WORKERS = {"num_workers": "2"}  # what the dataloader-workers fix writes
+WORKERS = {"num_workers": "2", "persistent_workers": "True"}
 COURSE = """\
 train_dataloader = DataLoader(train_data, # dataset to turn into iterable
     batch_size=BATCH_SIZE, # how many samples per batch?
@@ -30,53 +30,60 @@ LOADER_SHAPES = {
 train_dataloader = DataLoader(train_data, # dataset to turn into iterable
     batch_size=BATCH_SIZE, # how many samples per batch?
     shuffle=True, # shuffle training data on every epoch?
-    num_workers=2
+    num_workers=2,
+    persistent_workers=True
 )
 """,
     ),
     "one per line, trailing comma": (
         "loader = DataLoader(\n    ds,\n    batch_size=32,  # fits\n)\n",
-        "loader = DataLoader(\n    ds,\n    batch_size=32,  # fits\n    num_workers=2,\n)\n",
+        "loader = DataLoader(\n    ds,\n    batch_size=32,  # fits\n    num_workers=2,\n"
+        "    persistent_workers=True,\n)\n",
     ),
     "inline trailing comma": (
         "loader = DataLoader(ds, batch_size=32,)\n",
-        "loader = DataLoader(ds, batch_size=32, num_workers=2,)\n",
+        "loader = DataLoader(ds, batch_size=32, num_workers=2, persistent_workers=True,)\n",
     ),
     "keyword only, **kwargs": (
         "loader = DataLoader(ds, **loader_kwargs)\n",
-        "loader = DataLoader(ds, **loader_kwargs, num_workers=2)\n",
+        "loader = DataLoader(ds, **loader_kwargs, num_workers=2, persistent_workers=True)\n",
     ),
     "backslash continuation": (
         "loader = \\\n    DataLoader(ds, batch_size=8)  # the loader\n",
-        "loader = \\\n    DataLoader(ds, batch_size=8, num_workers=2)  # the loader\n",
+        "loader = \\\n    DataLoader(ds, batch_size=8, num_workers=2, persistent_workers=True)"
+        "  # the loader\n",
     ),
     "nested call": (
         "loader = DataLoader(Subset(ds, idx), batch_size=32)\n",
-        "loader = DataLoader(Subset(ds, idx), batch_size=32, num_workers=2)\n",
+        "loader = DataLoader(Subset(ds, idx), batch_size=32, num_workers=2, "
+        "persistent_workers=True)\n",
     ),
     "with header": (
         "with closing(DataLoader(ds)) as loader:  # closes\n    run(loader)\n",
-        "with closing(DataLoader(ds, num_workers=2)) as loader:  # closes\n    run(loader)\n",
+        "with closing(DataLoader(ds, num_workers=2, persistent_workers=True)) as loader:"
+        "  # closes\n    run(loader)\n",
     ),
     "comprehension header": (
         "batches = [b for b in DataLoader(ds)]  # all\n",
-        "batches = [b for b in DataLoader(ds, num_workers=2)]  # all\n",
+        "batches = [b for b in DataLoader(ds, num_workers=2, persistent_workers=True)]  # all\n",
     ),
     "non-ASCII before the call": (
         'x = "é"; loader = DataLoader(ds)\n',
-        'x = "é"; loader = DataLoader(ds, num_workers=2)\n',
+        'x = "é"; loader = DataLoader(ds, num_workers=2, persistent_workers=True)\n',
     ),
     "tabs": (
         "if True:\n\tloader = DataLoader(\n\t\tds,\n\t\tbatch_size=8,\n\t)\n",
-        "if True:\n\tloader = DataLoader(\n\t\tds,\n\t\tbatch_size=8,\n\t\tnum_workers=2,\n\t)\n",
+        "if True:\n\tloader = DataLoader(\n\t\tds,\n\t\tbatch_size=8,\n\t\tnum_workers=2,\n"
+        "\t\tpersistent_workers=True,\n\t)\n",
     ),
     "replaces a keyword": (
         "loader = DataLoader(ds, num_workers=0,  # none\n    shuffle=True)\n",
-        "loader = DataLoader(ds, num_workers=2,  # none\n    shuffle=True)\n",
+        "loader = DataLoader(ds, num_workers=2,  # none\n    shuffle=True, "
+        "persistent_workers=True)\n",
     ),
     "replaces a positional argument": (
         "loader = DataLoader(ds, 8, True, None, None, 0)  # positional\n",
-        "loader = DataLoader(ds, 8, True, None, None, 2)  # positional\n",
+        "loader = DataLoader(ds, 8, True, None, None, 2, persistent_workers=True)  # positional\n",
     ),
 }
 
@@ -114,7 +121,8 @@ def test_the_course_loader_edit_parses_and_diffs_only_its_arguments() -> None:
     assert changed == [
         "-    shuffle=True # shuffle training data on every epoch?",
         "+    shuffle=True, # shuffle training data on every epoch?",
-        "+    num_workers=2",
+        "+    num_workers=2,",
+        "+    persistent_workers=True",
     ]
 
 
@@ -287,7 +295,7 @@ def test_combine_of_several_edits_parses_and_drops_what_clashes() -> None:
     out = codeedit.combine(source, [loader, wrapped, threads])
     ast.parse(out)
     assert comments(out) == comments(source)
-    assert "    num_workers=2\n)" in out and "with torch.no_grad():" in out
+    assert "persistent_workers=True\n)" in out and "with torch.no_grad():" in out
     assert out.startswith("torch.set_num_threads(2)\n")
     # a version that would merge into text Python cannot read is dropped
     broken = source.replace("model.eval()", "model.eval(")

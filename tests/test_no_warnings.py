@@ -162,9 +162,8 @@ def test_a_loader_rebuilt_with_a_distributed_sampler_warns_nothing(one_rank_grou
 
 
 def test_the_dataloader_workers_fix_warns_nothing() -> None:
-    """perfcheck end to end on a loader that waits on I/O: its trial, the measured runs
-    with the workers it chose (never more than the cores, where torch would warn), the
-    undo."""
+    """perfcheck end to end on a loader that waits on I/O: its trial, the measured runs with
+    more workers than this machine's cores, the undo."""
     setup = """
 import torch
 from tests.slow_data import SlowDataset

@@ -2,7 +2,7 @@
 
 In a real IPython shell with execution counts (cells stored in its history, as a kernel
 does), the constructors are found in the cells that ran them: the DataLoader call gets
-`num_workers`, the convs of a class or an `nn.Sequential` get
+`num_workers`/`persistent_workers`, the convs of a class or an `nn.Sequential` get
 `bias=False`, the optimizer gets `fused=True`. The report carries them per finding and
 combined (`notebook_edits`), and `%perfcheck insert` carries the loader's rebuild.
 """
@@ -86,7 +86,7 @@ def test_earlier_cells_get_diffs_for_the_loader_and_the_convs_with_execution_cou
     workers = report.finding("dataloader-workers")
     k = ip.user_ns["loader"].num_workers or re.search(r"(\d+) chosen", workers.details)[1]
     loader_line = "loader = DataLoader(SlowImages(32), batch_size=8, shuffle=True, "
-    loader_after = f"%precision 3\n{loader_line}num_workers={k})"
+    loader_after = f"%precision 3\n{loader_line}num_workers={k}, persistent_workers=True)"
 
     (loader_cell,) = workers.code_change.cells
     assert loader_cell.execution_count == counts["loader"]
@@ -152,7 +152,7 @@ def test_two_fixes_editing_one_earlier_cell_make_one_entry(ip):
     assert entry.execution_count == count and entry.before == setup
     assert "nn.Conv2d(cin, cout, 3, padding=1, bias=False)" in entry.after
     assert "DataLoader(SlowImages(32), batch_size=8, num_workers=" in entry.after
-    assert "persistent_workers" not in entry.after
+    assert "persistent_workers=True)" in entry.after
     changed = [line[0] for line in entry.diff.splitlines()[3:] if line[0] in "+-"]
     assert changed == ["-", "+", "-", "+"]  # the factory's conv line, then the loader's
 
@@ -188,7 +188,7 @@ def test_insert_carries_the_loader_rebuild_and_says_what_it_inserted(ip, capsys)
     shown = capsys.readouterr().out
     loader_at = inserted.index("loader = DataLoader(SlowImages(32), batch_size=8, shuffle=True")
     assert loader_at < inserted.index("for x, y in loader:")  # rebuilt before the loop
-    assert re.search(r"shuffle=True, num_workers=\d\)", inserted)
+    assert "persistent_workers=True)" in inserted
     assert "opt.zero_grad(set_to_none=True)" in inserted and "%%perfcheck" not in inserted
     assert f"rebuilds `loader` as In[{counts['loader']}] does" in shown
     assert "dataloader-workers" in shown
@@ -196,7 +196,7 @@ def test_insert_carries_the_loader_rebuild_and_says_what_it_inserted(ip, capsys)
 
     before = ip.user_ns["loader"]
     assert ip.run_cell(inserted, store_history=True).error_in_exec is None
-    assert ip.user_ns["loader"] is not before and ip.user_ns["loader"].num_workers
+    assert ip.user_ns["loader"] is not before and ip.user_ns["loader"].persistent_workers
 
 
 # anomaly mode left on by an earlier cell -----------------------------------------------------

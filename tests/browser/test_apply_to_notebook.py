@@ -271,7 +271,7 @@ def test_apply_to_notebook_keeps_the_comments_after_each_loader_argument(
     ast.parse(after)  # the edited cell parses
     tokens = tokenize.generate_tokens(io.StringIO(after).readline)
     assert [t.string for t in tokens if t.type == tokenize.COMMENT] == COURSE_COMMENTS
-    assert "num_workers=" in after and "persistent_workers" not in after
+    assert "num_workers=" in after and "persistent_workers=True" in after
     assert after.splitlines()[:2] == COURSE_LOADER.splitlines()[:2]  # untouched lines
 
     lab.page.keyboard.press("Control+z")  # one undo restores the cell

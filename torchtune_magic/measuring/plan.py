@@ -232,10 +232,10 @@ def _epoch_sampled(per_epoch: int | None, total: int | None) -> Sampled | None:
     steps after it (a worker loader's prefetch depth can be an epoch's length: its burst
     at an epoch's start would be all the timed steps see): each run is the first epoch,
     timed whole from its first batch, so the iterator's start, workers starting and the
-    burst are in every configuration's time as they are in each epoch of the cell (a
-    user's loader kept across epochs, `persistent_workers`, starts once a cell: for it
-    this counts the start once per epoch, a bias against a fix, never for it). None where
-    the cell is one epoch (nothing to cut)."""
+    burst are in every configuration's time as they are in each epoch of the cell. A
+    worker loader kept across epochs (`persistent_workers`) starts once a cell, so this
+    counts its start against the fix once per epoch: a bias against the fix, never for
+    it. None where the cell is one epoch (nothing to cut)."""
     if per_epoch is None or total is None or not steps.has_epochs(per_epoch, total):
         return None
     return Sampled(0, per_epoch, per_epoch, None, per_epoch, whole_epoch=True)

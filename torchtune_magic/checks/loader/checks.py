@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ...cell import codeedit
 from ...distributed import lockstep
-from ...probe import cpu, frameworks, steps
+from ...probe import cpu, frameworks
 from ...report import DATA_WAIT, OTHER, CodeChange, count
 from ..base import Check, Detection
 from .edits import class_names, non_blocking_edit, with_keywords
@@ -15,7 +15,7 @@ from .fixes import PinMemoryFix, TrainerPinMemoryFix, TrainerWorkersFix, Workers
 from .pickling import why_no_workers
 from .rebuild import plan_for
 from .target import Target, earlier_edit, locate
-from .trial import TRIAL_BUDGET_S, Trial, in_process, pick_workers
+from .trial import TRIAL_BUDGET_S, Epoch, Trial, in_process, pick_workers
 
 if TYPE_CHECKING:
     from ...probe.observation import LoaderUse, Observation
@@ -30,13 +30,13 @@ WORKERS_CAVEAT = (
     "are not seen until the loader is rebuilt; random augmentation inside the dataset draws "
     "from per-worker seeds, so its random numbers differ from the in-process run"
 )
-# Why the fix starts its workers afresh every epoch rather than keeping them
-# (`persistent_workers=True`, which would save that start-up from the second epoch on).
-PERSISTENT_NOT_APPLIED = (
-    "not applied: every fresh iterator draws the workers' base seed from the loader's "
-    "generator (the global one when it has none), a kept one draws none from the second "
-    "epoch on, so the random stream shifts by one draw an epoch: shuffled epochs come in "
-    "another order and dropout differs from the run without it"
+
+
+TRAINER_WORKERS_CAVEAT = (
+    "; with dataloader_persistent_workers=True torch draws the workers' base seed from the "
+    "global random stream for the first epoch of each train() only, so from the second "
+    "epoch on dropout and shuffling draw numbers one place apart from a run without "
+    "workers: results differ as with another seed, not in quality"
 )
 
 
@@ -61,30 +61,18 @@ def _trials_text(trials: list[Trial]) -> str:
     return "; ".join(parts)
 
 
-def _cores_text(cores: cpu.Cores) -> str:
-    """Why the trial went up to the counts it did: the cores this process may use (torch
-    warns in the user's cell above them)."""
-    return f"workers tried up to the {cores.count} cores this process may use ({cores.detail})"
-
-
-def _restarts_epochs(obs: Observation, use: LoaderUse) -> bool:
-    """Whether a complete run iterates the loader more than once (epochs), each start
-    starting its workers afresh."""
-    trace = obs.step_traces.get(("batch", id(use.loader)))
-    if trace is None:
-        return False
-    return steps.has_epochs(steps.batches_per_epoch(trace), steps.count_steps(obs, trace).total)
-
-
-def _startup_text(obs: Observation, use: LoaderUse, argument: str, startup_s: float) -> str:
-    """The chosen count's start-up, paid at every epoch's start; for a loader iterated in
-    epochs, the further saving of keeping the workers and why it is not applied."""
-    if not _restarts_epochs(obs, use):
-        return f"start-up {startup_s:.2f} s"
-    return (
-        f"start-up {startup_s:.2f} s, paid again at each epoch's start; {argument}=True "
-        f"would save it from the second epoch on, {PERSISTENT_NOT_APPLIED}"
-    )
+def _cores_text(trials: list[Trial], loading: Epoch, cores: cpu.Cores) -> str:
+    """Why the trial went up to the counts it did: the cores this process may use, and
+    beyond them only for loading that waits on I/O (with the measurement that says so)."""
+    text = f"workers tried up to the {cores.count} cores this process may use ({cores.detail})"
+    above = [t.workers for t in trials if t.workers > cores.count]
+    if above:
+        text += (
+            f", and {above[0]} because the loading waits on I/O: it kept the main process "
+            f"busy {loading.cpu_share:.0%} of the time, and workers overlap such waits beyond "
+            "the core count"
+        )
+    return text
 
 
 class WorkersCheck(Check):
@@ -105,13 +93,13 @@ class WorkersCheck(Check):
             if share < WAIT_SHARE:
                 continue
             loading = in_process(use.loader, use.batches)
-            if loading is None or loading < MIN_BATCH_WAIT_S:
+            if loading is None or loading.per_batch_s < MIN_BATCH_WAIT_S:
                 continue  # cheap loading (in-memory tensors): workers would only add IPC
             detections.append(self._detection(obs, use, share, loading))
         return detections
 
     def _detection(
-        self, obs: Observation, use: LoaderUse, share: float, loading_s: float
+        self, obs: Observation, use: LoaderUse, share: float, loading: Epoch
     ) -> Detection:
         loader = use.loader
         target = locate(obs, use)
@@ -120,7 +108,7 @@ class WorkersCheck(Check):
         )
         details = (
             f"over {count(use.batches, 'batch', 'batches')}, loaded in the main process "
-            f"({_ms(loading_s)} per batch timed without instrumentation)"
+            f"({_ms(loading.per_batch_s)} per batch timed without instrumentation)"
         )
         blocked = why_no_workers(loader)
         workers = None
@@ -129,23 +117,22 @@ class WorkersCheck(Check):
         if blocked is None:
             plan = plan_for(loader, target.locations)
             seconds = obs.trial_time(TRIAL_BUDGET_S)
-            workers, trials = pick_workers(plan, use, cores.count, seconds)
-            details += f"; quick trial: {_trials_text(trials)}; {_cores_text(cores)}"
+            workers, trials = pick_workers(plan, use, loading, cores.count, seconds)
+            details += (
+                f"; quick trial: {_trials_text(trials)}; {_cores_text(trials, loading, cores)}"
+            )
             if workers is None:
                 blocked = "no worker count could load a batch in the trial"
             else:
                 startup = next(t.startup_s for t in trials if t.workers == workers)
-                argument = "persistent_workers"
-                if target.trainer is not None:
-                    argument = "dataloader_persistent_workers"
-                details += f"; {workers} chosen ({_startup_text(obs, use, argument, startup)})"
+                details += f"; {workers} chosen (start-up {startup:.2f} s, once)"
         reason = target.unreachable or blocked
         shown_k = workers if workers is not None else min(2, cores.count)
         if target.trainer is not None:
             if plan is not None:
                 plan.close()  # the trial's loaders: the Trainer builds its own from its args
             return self._trainer_detection(obs, target, evidence, details, workers, shown_k, reason)
-        values = {"num_workers": str(shown_k)}
+        values = {"num_workers": str(shown_k), "persistent_workers": "True"}
         source = obs.workload.source
         fixed = None
         elsewhere = []
@@ -163,13 +150,14 @@ class WorkersCheck(Check):
         earlier = earlier_edit(obs, target, values) if target.cell_call is None else None
         if target.cell_call is None and earlier is None:
             elsewhere.append(
-                f"{target.name}: build it with {type(loader).__name__}(..., num_workers={shown_k})"
+                f"{target.name}: build it with {type(loader).__name__}(..., "
+                f"num_workers={shown_k}, persistent_workers=True)"
             )
         fix = None
         if reason is not None:
             details += f"; not applied live: {reason}"
         elif workers is not None:
-            overrides = {"num_workers": workers}
+            overrides = {"num_workers": workers, "persistent_workers": True}
             # a loader the cell builds itself is changed in the cell text, not swapped
             fix = WorkersFix(overrides, None if cell_edit else plan, cell_edit).bounded_by(share)
         if plan is not None and (fix is None or fix.plan is None):
@@ -208,7 +196,7 @@ class WorkersCheck(Check):
         owner = target.trainer
         assert owner is not None
         use = target.use
-        values = {"dataloader_num_workers": str(shown_k)}
+        values = {"dataloader_num_workers": str(shown_k), "dataloader_persistent_workers": "True"}
         details += (
             f"; {owner.name} builds this loader on every call from its arguments, "
             f"{owner.args_class}(dataloader_num_workers={use.loader.num_workers})"
@@ -219,7 +207,7 @@ class WorkersCheck(Check):
         if reason is not None:
             details += f"; not applied live: {reason}"
         elif workers is not None:
-            overrides = {"dataloader_num_workers": workers}
+            overrides = {"dataloader_num_workers": workers, "dataloader_persistent_workers": True}
             fix = TrainerWorkersFix(overrides, frameworks.args_plan(owner))
         where = _where_iterated(target)
         return Detection(
@@ -230,7 +218,7 @@ class WorkersCheck(Check):
                 where=where,
                 fixable=fix is not None,
                 line=min(use.lines) if use.lines else None,
-                caveat=WORKERS_CAVEAT,
+                caveat=WORKERS_CAVEAT + TRAINER_WORKERS_CAVEAT,
                 code_change=CodeChange("", elsewhere),
             ),
             fix,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ...kernel import fixes
@@ -47,6 +48,32 @@ def constructor_kwargs(loader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
+_SAME_RNG_CLASSES: dict[type, type] = {}
+
+
+def _same_rng_class(cls: type) -> type:
+    """`cls` whose reused persistent workers consume the RNG like a fresh iterator does.
+
+    torch draws a worker base seed from the RNG for every new iterator but skips the draw
+    when persistent workers are reused, which would shift every later random number (the
+    shuffle order, dropout) against the original loader. Drawing it anyway keeps the cell's
+    random stream, so numerics compare like with like.
+    """
+    made = _SAME_RNG_CLASSES.get(cls)
+    if made is None:
+        base_iter = cls.__iter__
+
+        def __iter__(self: DataLoader) -> Any:
+            if getattr(self, "_iterator", None) is not None:
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            return base_iter(self)
+
+        made = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__})
+        made.__qualname__ = cls.__qualname__
+        _SAME_RNG_CLASSES[cls] = made
+    return made
+
+
 def rebuild(loader: DataLoader, overrides: dict[str, Any]) -> DataLoader:
     """A loader like `loader` (same class, dataset, sampler, … and the user's own extra
     attributes) with `overrides` applied."""
@@ -55,6 +82,8 @@ def rebuild(loader: DataLoader, overrides: dict[str, Any]) -> DataLoader:
     if not kwargs["num_workers"]:
         kwargs.update(prefetch_factor=None, persistent_workers=False)
     cls = type(loader)
+    if kwargs["persistent_workers"]:
+        cls = _same_rng_class(cls)
     new = cls.__new__(cls)
     DataLoader.__init__(new, **kwargs)
     for name, value in vars(loader).items():
