@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import base64
-import copy
 import io
-from pathlib import Path
 
-import nbformat
 import pytest
 
-from torchtune_magic.programs import notebook_verify, outputs, script_verify
-from torchtune_magic.programs.execute import Execution
-from torchtune_magic.programs.script import Script
+from torchtune_magic.programs import outputs
 
 
 @pytest.mark.parametrize(
@@ -148,39 +143,3 @@ def test_a_warning_s_kernel_file_name_is_masked_its_message_is_not() -> None:
     assert compared.same and compared.masked == [f"stderr: {first.strip()}"]
     other = second.replace("is on", "is off")
     assert not outputs.compare_outputs([_stream("stderr", first)], [_stream("stderr", other)]).same
-
-
-# a warning only the optimized version prints (torch's, for more workers than CPUs)
-WARNING = (
-    "import warnings\n"
-    'warnings.warn("This DataLoader will create 4 worker processes in total. Our suggested '
-    'max number of worker in current system is 2")\n'
-)
-
-
-def test_check_and_scan_verify_both_count_a_stderr_difference(tmp_path: Path) -> None:
-    """`check --verify` and `scan --verify` agree: a warning only the optimized copy prints
-    is a difference (the script's verify is not `same`, so `check` exits 1; the notebook's
-    cell is listed among the differences, so `scan` does), named by its first line."""
-    script = tmp_path / "train.py"
-    script.write_text('print("loss 0.25")\n', encoding="utf-8")
-    verified = script_verify.verify(Script.load(str(script), []), WARNING + 'print("loss 0.25")\n')
-    assert not verified.same and verified.difference is None  # stdout alike, stderr not
-    assert verified.stderr_difference is not None
-    assert "This DataLoader will create 4 worker processes" in verified.stderr_difference
-    assert "stderr DIFFERS: (the other run goes on)" in verified.line()
-
-    cell = nbformat.v4.new_code_cell("print('loss 0.25')")
-    original = nbformat.v4.new_notebook(cells=[copy.deepcopy(cell)])
-    optimized = nbformat.v4.new_notebook(cells=[copy.deepcopy(cell)])
-    original.cells[0].outputs = [_stream("stdout", "loss 0.25\n")]
-    optimized.cells[0].outputs = [
-        _stream("stderr", "/tmp/ipykernel_7/1.py:1: UserWarning: This DataLoader will create\n"),
-        _stream("stdout", "loss 0.25\n"),
-    ]
-    compared, _, differences = notebook_verify.compare_runs(
-        Execution(original, {1: 1.0}), Execution(optimized, {1: 0.5})
-    )
-    assert compared == 1
-    (difference,) = differences
-    assert difference.index == 1 and "This DataLoader will create" in difference.line

@@ -2,9 +2,7 @@
 executed plainly in their own folder, in alternation (original, copy, original, copy, …,
 so a machine that slows down or speeds up weighs on both), every code cell's outputs
 compared (`outputs.compare_outputs`: text exactly, images by content, wall-clock figures
-masked and named) and the times added per notebook. A cell's stderr counts like its stdout:
-a warning only the copy prints (torch's, say) is a difference, as `check --verify` counts a
-script's.
+masked and named) and the times added per notebook.
 
 The scan's first plain run is the original's first run here: it executed the same cells in
 the same folder with only a counter per batch and step added (`tracker.py`), so the verify

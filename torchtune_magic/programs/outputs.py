@@ -116,26 +116,12 @@ def compare_lines(original: list[str], other: list[str], numbered: bool = True) 
 def compare_outputs(original: list[dict[str, Any]], other: list[dict[str, Any]]) -> TextComparison:
     """Compare one notebook cell's outputs (nbformat dicts) from two runs.
 
-    Each stream is compared as a whole and on its own (how a kernel splits a stream into
-    outputs, and how stdout and stderr interleave, depends on timing): a warning only one
-    run printed is a difference, named by its own line; then rich outputs and errors in
-    order."""
-    mine, theirs = _cell_parts(original), _cell_parts(other)
-    masked_lines: list[str] = []
-    for part in sorted(set(mine) | set(theirs), key=lambda name: (name == RICH, name)):
-        compared = compare_lines(mine.get(part, []), theirs.get(part, []), numbered=False)
-        masked_lines += compared.masked
-        if not compared.same:
-            return TextComparison(False, masked_lines, compared.difference)
-    return TextComparison(True, masked_lines)
+    Each stream is compared as a whole (how a kernel splits a stream into outputs, and how
+    stdout and stderr interleave, depends on timing); rich outputs and errors in order."""
+    return compare_lines(_cell_lines(original), _cell_lines(other), numbered=False)
 
 
-RICH = ""  # the part of a cell's outputs that is not a stream: results, displays, errors
-
-
-def _cell_parts(outputs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
-    """A cell's outputs as lines, by stream name (each line named by its stream), and its
-    rich outputs and errors under `RICH`."""
+def _cell_lines(outputs: Iterable[dict[str, Any]]) -> list[str]:
     streams: dict[str, str] = {}
     rich: list[str] = []
     for output in outputs:
@@ -147,10 +133,10 @@ def _cell_parts(outputs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
             rich.extend(_data_lines(output.get("data", {})))
         elif kind == "error":
             rich.append(f"error: {output.get('ename', '')}: {output.get('evalue', '')}")
-    parts = {name: [f"{name}: {line}" for line in as_shown(text)] for name, text in streams.items()}
-    if rich:
-        parts[RICH] = rich
-    return parts
+    lines = []
+    for name in sorted(streams):
+        lines.extend(f"{name}: {line}" for line in as_shown(streams[name]))
+    return lines + rich
 
 
 def _data_lines(data: dict[str, Any]) -> list[str]:
