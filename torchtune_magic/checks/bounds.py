@@ -10,12 +10,7 @@ The bound leans towards the fix on both sides: each pass is timed as an `add_` (
 and a write, at least what a fill, an add of a broadcast bias or a reduction costs), and
 doubled; the run it is a share of is the probe's instrumented run made PROBE_SLOWDOWN_MOST
 times shorter than it was (the probe runs about 2x slower than the plain cell:
-`measuring/plan.PROBE_SLOWDOWN`). The add is the fastest of REPEATS timings on one thread
-(SLICE), so that a busy machine does not inflate it: split over the intra-op threads, a
-loaded 2-core machine read it up to 5000x its quiet time. The probe's run, timed on that
-same machine, keeps its own view: a busy machine makes it longer and the bound smaller,
-which at worst leaves a small fix untimed with its bound (pricing the run at its fastest
-step instead inflated the bound of a loader-bound cell's fixes, whose steps differ).
+`measuring/plan.PROBE_SLOWDOWN`).
 """
 
 from __future__ import annotations
@@ -29,12 +24,6 @@ import torch
 PASS_SAFETY = 2.0  # what the timed passes are multiplied by
 PROBE_SLOWDOWN_MOST = 4.0  # the probe's run is taken to be at most this much slower
 TIMED_ELEMENTS_MOST = 1 << 22  # passes over more are timed on this many, then scaled
-# each timed pass is a run of adds over slices this long: torch splits an elementwise op
-# over its intra-op threads only from 32768 values on (at::internal::GRAIN_SIZE), so every
-# add runs on the calling thread alone. Split, a busy machine stalls an add on whichever
-# thread another process holds (a 36 K-value add read 8-20 ms instead of 4 µs, the fastest
-# of ten alike); alone, a pass reads the same busy or quiet, and no faster than split.
-SLICE = 1 << 14
 REPEATS = 3  # the fastest of this many timings
 
 
@@ -46,19 +35,13 @@ def passes_s(elements: int, passes: int, dtype: torch.dtype = torch.float32) -> 
     with torch.no_grad():
         target = torch.zeros(timed, dtype=dtype)
         other = torch.ones(timed, dtype=dtype)
-        slices = list(zip(target.split(SLICE), other.split(SLICE), strict=True))
-        _one_pass(slices)  # first touch of the pages: not what a warm pass costs
+        target.add_(other)  # first touch of the pages: not what a warm pass costs
         best = math.inf
         for _ in range(REPEATS):
             started = time.perf_counter()
-            _one_pass(slices)
+            target.add_(other)
             best = min(best, time.perf_counter() - started)
     return best * passes * elements / timed
-
-
-def _one_pass(slices: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for target, other in slices:
-        target.add_(other)
 
 
 def share_of_run(saved_s: float, probe_wall_s: float) -> float | None:
